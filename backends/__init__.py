@@ -1,0 +1,1 @@
+"""Pluggable backends: compiler adaptors and attention implementations."""

@@ -1,0 +1,1 @@
+"""Compiler adaptors: turn an FX piece into a callable (Inductor or eager)."""

@@ -1,0 +1,28 @@
+"""compile_runtime: a compiler-centric runtime for PyTorch LLM inference."""
+
+from __future__ import annotations
+
+from compile_runtime.config import (
+    AttentionCGSupport,
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    PassConfig,
+    get_compilation_config,
+    set_compilation_config,
+)
+from compile_runtime.counter import compilation_counter
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AttentionCGSupport",
+    "CompilationConfig",
+    "CompilationMode",
+    "CUDAGraphMode",
+    "PassConfig",
+    "compilation_counter",
+    "get_compilation_config",
+    "set_compilation_config",
+    "__version__",
+]

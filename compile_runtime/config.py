@@ -1,0 +1,399 @@
+"""Configuration: what to compile, how, and which CUDA graphs to capture.
+
+Everything a user sets lives in ``CompilationConfig`` (pydantic, unknown
+fields rejected). ``CompilationConfig.resolve`` turns a *requested* CUDA graph
+mode into what can actually run given the attention backends in use, and
+logs one line for every downgrade.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import hashlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+class CompilationMode(enum.IntEnum):
+    """How the model is turned into code."""
+
+    NONE = 0  # eager
+    STOCK_TORCH_COMPILE = 1  # plain torch.compile, guards kept
+    DYNAMO_TRACE_ONCE = 2  # one trace, guards dropped, no split
+    PIECEWISE = 3  # one trace, split at attention, per-piece compile
+
+
+class CUDAGraphMode(enum.Enum):
+    """CUDA graph modes.
+
+    ``NONE``, ``PIECEWISE`` and ``FULL`` are runtime modes: what one batch runs
+    in. The two tuple modes are configuration modes: ``(decode, mixed)``.
+    """
+
+    NONE = 0
+    PIECEWISE = 1
+    FULL = 2
+    FULL_DECODE_ONLY = (FULL, NONE)
+    FULL_AND_PIECEWISE = (FULL, PIECEWISE)
+
+    def separate_routine(self) -> bool:
+        """True when decode batches and mixed batches use different modes."""
+        return isinstance(self.value, tuple)
+
+    def decode_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[0]) if self.separate_routine() else self
+
+    def mixed_mode(self) -> CUDAGraphMode:
+        return CUDAGraphMode(self.value[1]) if self.separate_routine() else self
+
+    def has_mode(self, mode: CUDAGraphMode) -> bool:
+        if mode.separate_routine():
+            raise ValueError(
+                f"has_mode() takes a runtime mode (NONE/PIECEWISE/FULL), not {mode.name}"
+            )
+        return mode in (self.decode_mode(), self.mixed_mode())
+
+    def has_full_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.FULL)
+
+    def has_piecewise_cudagraphs(self) -> bool:
+        return self.has_mode(CUDAGraphMode.PIECEWISE)
+
+    def requires_piecewise_compilation(self) -> bool:
+        return self.has_piecewise_cudagraphs()
+
+    def is_runtime_mode(self) -> bool:
+        return not self.separate_routine()
+
+    def valid_runtime_modes(self) -> frozenset[CUDAGraphMode]:
+        """The runtime modes a batch may be dispatched to under this mode.
+
+        NONE is always valid: batches larger than every captured size run
+        without a graph.
+        """
+        return frozenset({CUDAGraphMode.NONE, self.decode_mode(), self.mixed_mode()})
+
+    @classmethod
+    def from_parts(cls, decode: CUDAGraphMode, mixed: CUDAGraphMode) -> CUDAGraphMode:
+        """The configuration mode whose decode/mixed parts are the given runtime modes."""
+        if decode == mixed:
+            return decode
+        for mode in cls:
+            if mode.separate_routine() and (mode.decode_mode(), mode.mixed_mode()) == (
+                decode,
+                mixed,
+            ):
+                return mode
+        raise ValueError(
+            f"no CUDAGraphMode has decode={decode.name} and mixed={mixed.name}; "
+            "use NONE, PIECEWISE, FULL, FULL_DECODE_ONLY or FULL_AND_PIECEWISE"
+        )
+
+
+class AttentionCGSupport(enum.IntEnum):
+    """How much of an attention backend can run inside a CUDA graph."""
+
+    NEVER = 0
+    UNIFORM_SINGLE_TOKEN_DECODE = 1  # pure decode batches, one query token each
+    UNIFORM_BATCH = 2  # uniform batches, any query length
+    ALWAYS = 3  # any batch, mixed prefill and decode included
+
+
+class PassConfig(BaseModel):
+    """One flag per graph pass; the passes issue fills these in."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enable_noop_elimination: bool = True
+    enable_fusion: bool = True
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """1, 2, 4, then 8..248 step 8, then 256.. step 16, up to ``max_size``."""
+    ladder = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
+    return [s for s in ladder if s <= max_size]
+
+
+def _coerce_enum(enum_cls: type[enum.Enum], value: Any) -> Any:
+    if isinstance(value, str):
+        try:
+            return enum_cls[value.upper()]
+        except KeyError:
+            names = ", ".join(m.name for m in enum_cls)
+            raise ValueError(
+                f"unknown {enum_cls.__name__} {value!r}; expected one of {names}"
+            ) from None
+    return value
+
+
+class CompilationConfig(BaseModel):
+    """What the user sets. Loads from a dict, JSON, or a ``-O`` JSON string."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    mode: CompilationMode = CompilationMode.PIECEWISE
+    backend: Literal["inductor", "eager"] = "inductor"
+    splitting_ops: list[str] | None = None  # None = this package's attention ops
+    compile_sizes: list[int] = Field(default_factory=list)
+    cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
+    cudagraph_capture_sizes: list[int] | None = None  # None = default ladder
+    max_cudagraph_capture_size: int | None = None  # None = largest capture size or 512
+    cudagraph_num_warmups: int = Field(default=1, ge=0)
+    cache_dir: str | None = None
+    disable_cache: bool = False
+    pass_config: PassConfig = Field(default_factory=PassConfig)
+    inductor_compile_config: dict[str, Any] = Field(default_factory=dict)
+    debug_dump_path: str | None = None
+
+    # Fields that never change compiled code. Everything else is hashed, so a
+    # new field is part of the cache key unless someone adds it here.
+    HASH_EXCLUDED_FIELDS: ClassVar[frozenset[str]] = frozenset(
+        {"cache_dir", "disable_cache", "debug_dump_path", "cudagraph_num_warmups"}
+    )
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode_by_name(cls, v: Any) -> Any:
+        return _coerce_enum(CompilationMode, v)
+
+    @field_validator("cudagraph_mode", mode="before")
+    @classmethod
+    def _cg_mode_by_name(cls, v: Any) -> Any:
+        return _coerce_enum(CUDAGraphMode, v)
+
+    @field_serializer("mode", "cudagraph_mode")
+    def _enum_by_name(self, v: enum.Enum) -> str:
+        return v.name
+
+    @field_validator("compile_sizes", "cudagraph_capture_sizes")
+    @classmethod
+    def _positive_sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        for size in v:
+            if size <= 0:
+                raise ValueError(f"size {size} is not positive; sizes are token counts >= 1")
+        return sorted(set(v))
+
+    @field_validator("max_cudagraph_capture_size")
+    @classmethod
+    def _positive_max(cls, v: int | None) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"max_cudagraph_capture_size {v} is not positive")
+        return v
+
+    @model_validator(mode="after")
+    def _sizes_agree_with_max(self) -> CompilationConfig:
+        sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
+        if sizes and max_size is not None and max(sizes) != max_size:
+            raise ValueError(
+                f"cudagraph_capture_sizes ends at {max(sizes)} but max_cudagraph_capture_size is "
+                f"{max_size}; set only one of them, or make them agree"
+            )
+        return self
+
+    # ---- derived values -------------------------------------------------
+
+    def capture_sizes(self, max_num_tokens: int | None = None) -> list[int]:
+        """The CUDA graph sizes, bounded by the runner's tokens per step if known."""
+        if self.cudagraph_capture_sizes is not None:
+            sizes = list(self.cudagraph_capture_sizes)
+        else:
+            sizes = default_capture_sizes(
+                self.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE
+            )
+        if max_num_tokens is not None:
+            sizes = [s for s in sizes if s <= max_num_tokens]
+        return sizes
+
+    def compute_hash(self) -> str:
+        """Stable hash over every field that changes compiled code."""
+        data = self.model_dump(mode="json", exclude=set(self.HASH_EXCLUDED_FIELDS))
+        blob = json.dumps(data, sort_keys=True, default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), indent=2)
+
+    # ---- resolution against attention support ----------------------------
+
+    def resolve(
+        self,
+        min_cg_support: AttentionCGSupport,
+        *,
+        attention_split: bool | None = None,
+        uniform_decode_query_len: int = 1,
+        cuda_available: bool | None = None,
+    ) -> ResolvedModes:
+        """Effective modes for this machine and these attention backends."""
+        if attention_split is None:
+            attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0
+        if cuda_available is None:
+            import torch
+
+            cuda_available = torch.cuda.is_available()
+        mode = resolve_cudagraph_mode(
+            self.cudagraph_mode,
+            compilation_mode=self.mode,
+            min_cg_support=min_cg_support,
+            attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+            cuda_available=cuda_available,
+            explicit="cudagraph_mode" in self.model_fields_set,
+        )
+        return ResolvedModes(compilation_mode=self.mode, cudagraph_mode=mode)
+
+
+@dataclass(frozen=True)
+class ResolvedModes:
+    compilation_mode: CompilationMode
+    cudagraph_mode: CUDAGraphMode
+
+    @property
+    def decode_mode(self) -> CUDAGraphMode:
+        return self.cudagraph_mode.decode_mode()
+
+    @property
+    def mixed_mode(self) -> CUDAGraphMode:
+        return self.cudagraph_mode.mixed_mode()
+
+
+class CudagraphModeError(ValueError):
+    """A CUDA graph mode was asked for explicitly and nothing of it can run."""
+
+
+def resolve_cudagraph_mode(
+    requested: CUDAGraphMode,
+    *,
+    compilation_mode: CompilationMode,
+    min_cg_support: AttentionCGSupport,
+    attention_split: bool,
+    uniform_decode_query_len: int = 1,
+    cuda_available: bool = True,
+    explicit: bool = False,
+) -> CUDAGraphMode:
+    """Downgrade ``requested`` until every part of it can run.
+
+    Each downgrade logs one line. If the user asked for graphs explicitly and
+    none survive (for a reason other than a missing GPU), that is an error
+    naming what to set instead.
+    """
+    if uniform_decode_query_len < 1:
+        raise ValueError(f"uniform_decode_query_len must be >= 1, got {uniform_decode_query_len}")
+    if requested == CUDAGraphMode.NONE:
+        return requested
+    if not cuda_available:
+        logger.warning("CUDA is not available: cudagraph_mode %s -> NONE", requested.name)
+        return CUDAGraphMode.NONE
+
+    mode = requested
+    reasons: list[str] = []
+
+    def downgrade(new: CUDAGraphMode, why: str) -> None:
+        nonlocal mode
+        if new != mode:
+            logger.info("cudagraph_mode %s -> %s: %s", mode.name, new.name, why)
+            reasons.append(why)
+            mode = new
+
+    piecewise_compiled = compilation_mode == CompilationMode.PIECEWISE
+    if not piecewise_compiled and mode.has_piecewise_cudagraphs():
+        downgrade(
+            CUDAGraphMode.FULL,
+            f"piecewise graphs need CompilationMode.PIECEWISE (mode is {compilation_mode.name})",
+        )
+    if piecewise_compiled and not attention_split:
+        if mode == CUDAGraphMode.PIECEWISE:
+            downgrade(CUDAGraphMode.NONE, "splitting_ops=[] leaves no pieces to capture")
+        elif mode == CUDAGraphMode.FULL_AND_PIECEWISE:
+            downgrade(CUDAGraphMode.FULL, "splitting_ops=[] leaves no pieces to capture")
+    can_piecewise = piecewise_compiled and attention_split
+
+    if mode.mixed_mode() == CUDAGraphMode.FULL and min_cg_support < AttentionCGSupport.ALWAYS:
+        fallback = (
+            CUDAGraphMode.FULL_AND_PIECEWISE if can_piecewise else CUDAGraphMode.FULL_DECODE_ONLY
+        )
+        downgrade(
+            fallback,
+            f"FULL graphs of mixed batches need attention support ALWAYS, have {min_cg_support.name}",
+        )
+
+    needed = (
+        AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        if uniform_decode_query_len == 1
+        else AttentionCGSupport.UNIFORM_BATCH
+    )
+    if mode.decode_mode() == CUDAGraphMode.FULL and min_cg_support < needed:
+        fallback = CUDAGraphMode.PIECEWISE if can_piecewise else CUDAGraphMode.NONE
+        downgrade(
+            fallback,
+            f"FULL graphs of decode batches (query length {uniform_decode_query_len}) need attention "
+            f"support {needed.name}, have {min_cg_support.name}",
+        )
+
+    if explicit and mode == CUDAGraphMode.NONE:
+        raise CudagraphModeError(
+            f"cudagraph_mode={requested.name} was requested but no graph can run: "
+            + "; ".join(reasons)
+            + ". Set cudagraph_mode='NONE', use CompilationMode.PIECEWISE with attention split "
+            "out (splitting_ops=None) for piecewise graphs, or pick an attention backend with "
+            "higher AttentionCGSupport for FULL graphs."
+        )
+    return mode
+
+
+_active_config: list[CompilationConfig] = []
+
+
+@contextlib.contextmanager
+def set_compilation_config(config: CompilationConfig) -> Iterator[CompilationConfig]:
+    """Models constructed inside this block use ``config``."""
+    if not isinstance(config, CompilationConfig):
+        raise TypeError(
+            f"set_compilation_config expects a CompilationConfig, got {type(config).__name__}"
+        )
+    _active_config.append(config)
+    try:
+        yield config
+    finally:
+        _active_config.pop()
+
+
+def get_compilation_config() -> CompilationConfig:
+    """The active config, or the defaults when none is set."""
+    return _active_config[-1] if _active_config else CompilationConfig()
+
+
+def parse_config(
+    text_or_dict: str | dict[str, Any] | CompilationConfig | None,
+) -> CompilationConfig:
+    """A config from a JSON string (``-O``), a dict, or a config (returned as is)."""
+    if text_or_dict is None:
+        return CompilationConfig()
+    if isinstance(text_or_dict, CompilationConfig):
+        return text_or_dict
+    if isinstance(text_or_dict, str):
+        try:
+            text_or_dict = json.loads(text_or_dict)
+        except json.JSONDecodeError as e:
+            raise ValueError(
+                f"compilation config is not valid JSON ({e}): {text_or_dict!r}"
+            ) from None
+    return CompilationConfig.model_validate(text_or_dict)

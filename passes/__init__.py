@@ -1,0 +1,1 @@
+"""FX graph passes and the pass manager."""

@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import compile_runtime as cr
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "compile_runtime.cli", *args], capture_output=True, text=True
+    )
+
+
+def test_version():
+    out = run_cli("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"compile-runtime {cr.__version__}"
+
+
+def test_config_show_prints_json_and_resolution():
+    out = run_cli("config", "show", "-O", '{"cudagraph_mode": "FULL", "backend": "eager"}')
+    assert out.returncode == 0, out.stderr
+    body, _, summary = out.stdout.rpartition("# resolved:")
+    data = json.loads(body)
+    assert data["cudagraph_mode"] == "FULL" and data["backend"] == "eager"
+    assert "cudagraph_mode=NONE" in summary  # this machine has no CUDA
+
+
+def test_config_show_bad_input_is_usage_error():
+    out = run_cli("config", "show", "-O", '{"mode": "FAST"}')
+    assert out.returncode == 2 and "mode" in out.stderr
+    assert run_cli("config").returncode == 2
