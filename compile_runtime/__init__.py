@@ -12,6 +12,7 @@ from compile_runtime.config import (
     set_compilation_config,
 )
 from compile_runtime.counter import compilation_counter
+from compile_runtime.decorator import GraphBreakError, compile, ignore_compile
 
 __version__ = "0.1.0"
 
@@ -21,7 +22,10 @@ __all__ = [
     "CompilationMode",
     "CUDAGraphMode",
     "PassConfig",
+    "GraphBreakError",
     "compilation_counter",
+    "compile",
+    "ignore_compile",
     "get_compilation_config",
     "set_compilation_config",
     "__version__",

@@ -1,0 +1,74 @@
+"""Inductor adaptor on ``torch._inductor.standalone_compile``.
+
+The general piece is compiled with the symbolic sizes of the Dynamo trace
+(``from_tracing_context``); an exact size with example inputs of that size.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.fx
+from compile_runtime.backends.compiler.base import CompiledPiece, CompilerAdaptor
+
+from compile_runtime.counter import compilation_counter
+
+
+def returns_tuple(graph: torch.fx.GraphModule) -> bool:
+    (output,) = [n for n in graph.graph.nodes if n.op == "output"]
+    return isinstance(output.args[0], (tuple, list))
+
+
+def as_tuple_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``graph`` whose single output is wrapped in a tuple (Inductor needs one)."""
+    graph = copy.deepcopy(graph)
+    (output,) = [n for n in graph.graph.nodes if n.op == "output"]
+    output.args = ((output.args[0],),)
+    graph.recompile()
+    return graph
+
+
+class _Unwrap:
+    """Calls a compiled tuple-returning graph and returns its only element."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        return self.fn(*args)[0]
+
+
+class InductorAdaptor(CompilerAdaptor):
+    name = "inductor"
+
+    def __init__(self, config_patches: dict[str, Any] | None = None):
+        self.config_patches = dict(config_patches or {})
+
+    def compile(
+        self, graph: torch.fx.GraphModule, example_inputs: list[Any], runtime_shape: int | None
+    ) -> CompiledPiece:
+        from torch._inductor import standalone_compile
+
+        single = not returns_tuple(graph)
+        if single:
+            graph = as_tuple_graph(graph)
+        dynamic = "from_tracing_context" if runtime_shape is None else "from_example_inputs"
+        artifact = standalone_compile(
+            graph,
+            example_inputs,
+            dynamic_shapes=dynamic,
+            options={"config_patches": self.config_patches},
+        )
+        compilation_counter.num_inductor_compiles += 1
+        fn = _Unwrap(artifact) if single else artifact
+        return CompiledPiece(fn=fn, handle=(artifact, single))
+
+    def save(self, piece: CompiledPiece, path: str) -> None:
+        artifact, _ = piece.handle
+        artifact.save(path=path, format="binary")
+
+    def load(self, path: str, graph: torch.fx.GraphModule):
+        artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+        return artifact if returns_tuple(graph) else _Unwrap(artifact)

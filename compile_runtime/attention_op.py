@@ -1,0 +1,70 @@
+"""The attention custom op: the split point of every compiled model.
+
+``torch.ops.compile_runtime.attention(q, k, v, output, layer_name)`` writes
+into ``output`` and returns nothing, so it is opaque to Dynamo and Inductor
+(one node in the graph, easy to split at) and has fixed-address outputs
+(capturable in a CUDA graph when the backend allows). The op finds the layer
+object by name in a process-wide registry; the layer does the real work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Protocol
+
+import torch
+
+ATTENTION_OP_NAME = "compile_runtime::attention"
+
+
+class AttentionImpl(Protocol):
+    """What the op calls: a layer that writes attention of q, k, v into output."""
+
+    def forward_impl(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, output: torch.Tensor
+    ) -> None: ...
+
+
+_layers: weakref.WeakValueDictionary[str, AttentionImpl] = weakref.WeakValueDictionary()
+_suffix = itertools.count(1)
+
+
+def register_attention_layer(layer: AttentionImpl, prefix: str) -> str:
+    """Register ``layer`` and return its unique name (``prefix``, or ``prefix#n`` if taken)."""
+    name = prefix
+    while name in _layers:
+        name = f"{prefix}#{next(_suffix)}"
+    _layers[name] = layer
+    return name
+
+
+def lookup_attention_layer(name: str) -> AttentionImpl:
+    try:
+        return _layers[name]
+    except KeyError:
+        raise KeyError(
+            f"no attention layer named {name!r} is alive; attention layers register themselves "
+            "when constructed (register_attention_layer) and vanish when garbage-collected"
+        ) from None
+
+
+@torch.library.custom_op(ATTENTION_OP_NAME, mutates_args=("output",))
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    output: torch.Tensor,
+    layer_name: str,
+) -> None:
+    lookup_attention_layer(layer_name).forward_impl(query, key, value, output)
+
+
+@attention.register_fake
+def _attention_fake(query, key, value, output, layer_name) -> None:
+    return None
+
+
+def default_splitting_ops() -> list[str]:
+    """Op names the graph is split at when ``splitting_ops`` is None."""
+    return [ATTENTION_OP_NAME]

@@ -1,0 +1,218 @@
+"""The torch.compile backend: passes -> split at attention -> compile each piece.
+
+One instance per compiled model. Dynamo hands it the whole forward as one FX
+graph; it returns the split graph with every static piece replaced by a
+``PiecewiseRuntime``. Structurally identical pieces (every transformer layer)
+are compiled once and share the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from compile_runtime.attention_op import default_splitting_ops
+from compile_runtime.backends.compiler import CompiledPiece, make_adaptor
+from compile_runtime.config import CompilationConfig, CompilationMode
+from compile_runtime.counter import compilation_counter
+from compile_runtime.graph_hash import piece_hash
+from compile_runtime.passes.manager import PassManager
+from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
+from compile_runtime.split import Piece, split_graph
+
+logger = logging.getLogger(__name__)
+
+
+def _concrete_int(value: Any, size: int) -> int:
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr.xreplace({s: size for s in expr.free_symbols}))
+    return int(value)
+
+
+def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any]:
+    """Real example inputs with every symbolic size replaced by ``size``."""
+    out = []
+    for value in example_inputs:
+        if isinstance(value, torch.SymInt):
+            out.append(_concrete_int(value, size))
+        elif isinstance(value, torch.Tensor):
+            shape = [_concrete_int(s, size) for s in value.shape]
+            stride = [_concrete_int(s, size) for s in value.stride()]
+            out.append(
+                torch.empty_strided(shape, stride, dtype=value.dtype, device=value.device).zero_()
+            )
+        else:
+            out.append(value)
+    return out
+
+
+@dataclass
+class PieceRecord:
+    """What the backend did for one piece (for logs, dumps and the cache)."""
+
+    index: int
+    name: str
+    is_splitting_op: bool
+    piece_hash: str | None = None
+    shared_with: int | None = None  # index of the piece whose compiled code this one reuses
+    compile_seconds: float = 0.0
+
+
+@dataclass
+class CompileResult:
+    pieces: list[PieceRecord] = field(default_factory=list)
+    unique_pieces: int = 0
+    compile_sizes: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class CompilerBackend:
+    """Callable handed to ``torch.compile(backend=...)``."""
+
+    def __init__(self, config: CompilationConfig, model_tag: str = "model"):
+        self.config = config
+        self.model_tag = model_tag
+        self.adaptor = make_adaptor(config.backend, config.inductor_compile_config)
+        self.pass_manager = PassManager(config.pass_config)
+        self.split_gm: torch.fx.GraphModule | None = None
+        self.result = CompileResult()
+        self.runtimes: list[PiecewiseRuntime] = []
+
+    @property
+    def splitting_ops(self) -> list[str]:
+        if self.config.mode != CompilationMode.PIECEWISE:
+            return []
+        if self.config.splitting_ops is None:
+            return default_splitting_ops()
+        return list(self.config.splitting_ops)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compilation_counter.num_graphs_seen += 1
+        start = time.perf_counter()
+        gm = self.pass_manager(gm)
+        split_gm, pieces = split_graph(gm, self.splitting_ops)
+        compilation_counter.num_piecewise_graphs_seen += len(pieces)
+        compilation_counter.num_piecewise_capturable_graphs_seen += sum(
+            not p.is_splitting_op for p in pieces
+        )
+
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fake_args = [
+            fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
+        ]
+        compiler = _PieceCompiler(split_gm, pieces, self)
+        with fake_mode:
+            compiler.run(*fake_args)
+        for piece in pieces:
+            if not piece.is_splitting_op:
+                runtime = compiler.runtimes[piece.name]
+                # A compiled artifact is not an nn.Module: put it in place through __dict__.
+                split_gm._modules.pop(piece.name)
+                split_gm.__dict__[piece.name] = runtime
+                self.runtimes.append(runtime)
+
+        self.split_gm = split_gm
+        self.result = CompileResult(
+            pieces=compiler.records,
+            unique_pieces=len(compiler.compiled),
+            compile_sizes=list(self.config.compile_sizes),
+            seconds=time.perf_counter() - start,
+        )
+        logger.info(
+            "compiled %s: %d pieces (%d splitting ops), %d unique, sizes [general%s], %.2f s",
+            self.model_tag,
+            len(pieces),
+            sum(p.is_splitting_op for p in pieces),
+            self.result.unique_pieces,
+            "".join(f", {s}" for s in self.config.compile_sizes),
+            self.result.seconds,
+        )
+        if self.config.debug_dump_path:
+            self._dump(split_gm)
+        return split_gm
+
+    def _dump(self, split_gm: torch.fx.GraphModule) -> None:
+        os.makedirs(self.config.debug_dump_path, exist_ok=True)
+        header = [f"# Split graph of {self.model_tag}; pieces and the compiled code they share:"]
+        for r in self.result.pieces:
+            kind = "splitting op" if r.is_splitting_op else f"hash {r.piece_hash}"
+            shared = f", reuses piece {r.shared_with}" if r.shared_with is not None else ""
+            header.append(f"#   {r.name}: {kind}{shared}")
+        path = os.path.join(self.config.debug_dump_path, "computation_graph.py")
+        with open(path, "w") as f:
+            f.write("\n".join(header) + "\n\n")
+            f.write(split_gm.print_readable(print_output=False))
+
+
+class _PieceCompiler(torch.fx.Interpreter):
+    """Runs the split graph on fake inputs, compiling each static piece on the way."""
+
+    def __init__(
+        self, split_gm: torch.fx.GraphModule, pieces: list[Piece], backend: CompilerBackend
+    ):
+        super().__init__(split_gm)
+        self.pieces = {p.name: p for p in pieces}
+        self.backend = backend
+        self.compiled: dict[str, tuple[int, dict[int | None, CompiledPiece]]] = {}
+        self.runtimes: dict[str, PiecewiseRuntime] = {}
+        self.records: list[PieceRecord] = []
+
+    def call_module(self, target: str, args: tuple, kwargs: dict) -> Any:
+        output = super().call_module(target, args, kwargs)
+        piece = self.pieces[target]
+        record = PieceRecord(piece.index, piece.name, piece.is_splitting_op)
+        self.records.append(record)
+        if piece.is_splitting_op:
+            return output
+
+        args_list = list(args)
+        key = piece_hash(piece.graph, args_list)
+        record.piece_hash = key
+        if key in self.compiled:
+            record.shared_with, by_size = self.compiled[key]
+        else:
+            start = time.perf_counter()
+            by_size = self._compile(piece, args_list)
+            record.compile_seconds = time.perf_counter() - start
+            self.compiled[key] = (piece.index, by_size)
+            logger.info(
+                "compiled piece %d (%s, hash %s) for %d size(s) in %.2f s",
+                piece.index,
+                self.backend.adaptor.name,
+                key,
+                len(by_size),
+                record.compile_seconds,
+            )
+        self.runtimes[target] = PiecewiseRuntime(
+            index=piece.index,
+            general=by_size[None].fn,
+            exact={s: c.fn for s, c in by_size.items() if s is not None},
+            locator=find_size_locator(args_list),
+            piece_hash=key,
+        )
+        return output
+
+    def _compile(self, piece: Piece, fake_args: list[Any]) -> dict[int | None, CompiledPiece]:
+        adaptor = self.backend.adaptor
+        by_size: dict[int | None, CompiledPiece] = {
+            None: adaptor.compile(piece.graph, fake_args, None)
+        }
+        compilation_counter.num_backend_compilations += 1
+        sizes = self.backend.config.compile_sizes
+        if sizes and find_size_locator(fake_args) is None:
+            logger.info("piece %d has no symbolic size: compile_sizes do not apply", piece.index)
+            return by_size
+        for size in sizes:
+            with unset_fake_temporarily():
+                by_size[size] = adaptor.compile(piece.graph, concrete_inputs(fake_args, size), size)
+            compilation_counter.num_backend_compilations += 1
+        return by_size

@@ -1,0 +1,172 @@
+"""``@compile_runtime.compile``: trace a model's forward once, then never again.
+
+How "once" is enforced: the forward goes through ``torch.compile`` with
+``fullgraph=True`` (a graph break is an error, never a silent eager fallback),
+the token-count dims marked dynamic, and a guard filter that drops every
+guard. After the first call there is nothing left for Dynamo to check, and a
+``fail_on_recompile`` stance turns any attempt to trace again into an error.
+
+What it costs: whatever Python decided during the first trace is baked in.
+A branch such as ``if x.shape[0] > 4`` takes the side the first call took,
+for every later size too (tests/test_compile.py shows it). Model code must
+keep shape-dependent control flow out of ``forward`` (put it in the runner,
+or in a custom op).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import typing
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+import torch.fx.experimental._config as fx_config
+
+from compile_runtime.backend import CompilerBackend
+from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
+from compile_runtime.counter import compilation_counter
+
+logger = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=type)
+
+IGNORE_ATTR = "_compile_runtime_ignore"
+
+
+class GraphBreakError(RuntimeError):
+    """The model's forward cannot be traced as one graph."""
+
+
+def ignore_compile(cls: M) -> M:
+    """Mark a subclass of a compiled model to run eager."""
+    setattr(cls, IGNORE_ATTR, True)
+    return cls
+
+
+def _is_tensor_annotation(annotation: Any) -> bool:
+    if annotation is torch.Tensor:
+        return True
+    args = typing.get_args(annotation)
+    return (
+        bool(args) and torch.Tensor in args and all(a in (torch.Tensor, type(None)) for a in args)
+    )
+
+
+def infer_dynamic_arg_dims(cls: type) -> dict[str, int]:
+    """Dim 0 of every forward argument annotated ``Tensor`` or ``Optional[Tensor]``."""
+    hints = typing.get_type_hints(cls.forward)
+    return {
+        name: 0
+        for name in inspect.signature(cls.forward).parameters
+        if name != "self" and _is_tensor_annotation(hints.get(name))
+    }
+
+
+def compile(
+    cls: M | None = None,
+    *,
+    dynamic_arg_dims: dict[str, int | list[int]] | None = None,
+    enable_if: Callable[[CompilationConfig], bool] | None = None,
+) -> M | Callable[[M], M]:
+    """Decorate an ``nn.Module`` subclass so instances compile per the active config."""
+
+    def decorate(cls: M) -> M:
+        if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+            raise TypeError(f"@compile_runtime.compile decorates nn.Module subclasses, got {cls!r}")
+        dims = dynamic_arg_dims if dynamic_arg_dims is not None else infer_dynamic_arg_dims(cls)
+        params = inspect.signature(cls.forward).parameters
+        unknown = [name for name in dims if name not in params]
+        if unknown:
+            raise ValueError(
+                f"dynamic_arg_dims names {unknown}, which {cls.__name__}.forward does not take "
+                f"(its arguments: {[p for p in params if p != 'self']})"
+            )
+        if not dims:
+            raise ValueError(
+                f"{cls.__name__}.forward has no dynamic dimension: annotate the token-count "
+                "arguments as torch.Tensor (dim 0 becomes dynamic) or pass "
+                "dynamic_arg_dims={'input_ids': 0, ...} to @compile_runtime.compile"
+            )
+        original_init = cls.__init__
+        original_call = cls.__call__
+
+        @functools.wraps(original_init)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            original_init(self, *args, **kwargs)
+            config = get_compilation_config()
+            enabled = (
+                config.mode != CompilationMode.NONE
+                and not getattr(type(self), IGNORE_ATTR, False)
+                and (enable_if is None or enable_if(config))
+            )
+            self.__dict__["_compile_runtime"] = (
+                CompiledForward(self, config, dims) if enabled else None
+            )
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            compiled = self.__dict__.get("_compile_runtime")
+            if compiled is None:
+                return original_call(self, *args, **kwargs)
+            return compiled(*args, **kwargs)
+
+        cls.__init__ = __init__
+        cls.__call__ = __call__
+        return cls
+
+    return decorate(cls) if cls is not None else decorate
+
+
+class CompiledForward:
+    """The compiled forward of one model instance."""
+
+    def __init__(self, model: torch.nn.Module, config: CompilationConfig, dims: dict[str, Any]):
+        compilation_counter.num_models_seen += 1
+        self.config = config
+        self.dims = dims
+        self.signature = inspect.signature(model.forward)
+        self.model_name = type(model).__name__
+        self.traced = False
+        if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
+            self.backend = None
+            self.compiled = torch.compile(model.forward, backend=config.backend)
+        else:
+            self.backend = CompilerBackend(config, model_tag=self.model_name)
+            self.compiled = torch.compile(
+                model.forward,
+                backend=self.backend,
+                fullgraph=True,
+                dynamic=False,
+                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+            )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.backend is None:  # stock torch.compile: Dynamo decides
+            return self.compiled(*args, **kwargs)
+        if self.traced:
+            with torch.compiler.set_stance("fail_on_recompile"):
+                return self.compiled(*args, **kwargs)
+        return self._first_call(*args, **kwargs)
+
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        for name, dims in self.dims.items():
+            value = bound.arguments.get(name)
+            if isinstance(value, torch.Tensor):
+                for dim in [dims] if isinstance(dims, int) else dims:
+                    torch._dynamo.mark_dynamic(value, dim)
+        try:
+            # Sizes 0 and 1 would otherwise be specialised at the first trace.
+            with fx_config.patch(backed_size_oblivious=True):
+                out = self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.Unsupported as e:
+            raise GraphBreakError(
+                f"{self.model_name}.forward cannot be traced as one graph, which "
+                f"CompilationMode.{self.config.mode.name} needs. Dynamo stopped at: {e}\n"
+                "Move the offending code out of forward, make it a custom op, or run with "
+                "CompilationMode.NONE / STOCK_TORCH_COMPILE."
+            ) from None
+        self.traced = True
+        return out

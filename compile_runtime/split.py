@@ -1,0 +1,84 @@
+"""Split a Dynamo FX graph at the splitting ops.
+
+Every splitting-op call gets a piece of its own; the code between two calls
+is one piece. ``getitem`` nodes stay with the node that produced the tuple so
+tuple values never cross a piece boundary.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+from torch.fx.passes.split_module import split_module
+
+
+@dataclass
+class Piece:
+    name: str  # attribute name of the submodule in the split graph ("submod_3")
+    index: int
+    graph: torch.fx.GraphModule
+    is_splitting_op: bool
+
+
+def op_name(node: torch.fx.Node) -> str | None:
+    """``namespace::name`` of a call_function node's op, or None for plain Python callables."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.name if hasattr(target, "_schema") else target.name()
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name
+    return None
+
+
+def is_splitting_node(node: torch.fx.Node, splitting_ops: list[str]) -> bool:
+    if node.op != "call_function":
+        return False
+    name = op_name(node)
+    if name is None:
+        return False
+    base = name.split(".")[0]
+    return name in splitting_ops or base in splitting_ops
+
+
+def split_graph(
+    gm: torch.fx.GraphModule, splitting_ops: list[str]
+) -> tuple[torch.fx.GraphModule, list[Piece]]:
+    partition: dict[torch.fx.Node, int] = {}
+    current = 0
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if node.op == "call_function" and node.target is operator.getitem:
+            producer = node.args[0]
+            if isinstance(producer, torch.fx.Node) and producer in partition:
+                partition[node] = partition[producer]
+                continue
+        if is_splitting_node(node, splitting_ops):
+            current += 1
+            partition[node] = current
+            current += 1
+        else:
+            partition[node] = current
+
+    split_gm = split_module(gm, None, lambda n: partition[n], keep_original_order=True)
+
+    splitting_ids = {
+        pid for node, pid in partition.items() if is_splitting_node(node, splitting_ops)
+    }
+    pieces: list[Piece] = []
+    for node in split_gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        pid = int(node.target.rsplit("_", 1)[1])
+        pieces.append(
+            Piece(
+                name=node.target,
+                index=len(pieces),
+                graph=getattr(split_gm, node.target),
+                is_splitting_op=pid in splitting_ids,
+            )
+        )
+    return split_gm, pieces
