@@ -13,6 +13,11 @@ from compile_runtime.config import (
 )
 from compile_runtime.counter import compilation_counter
 from compile_runtime.decorator import GraphBreakError, compile, ignore_compile
+from compile_runtime.forward_context import (
+    ForwardContextError,
+    get_forward_context,
+    set_forward_context,
+)
 
 __version__ = "0.1.0"
 
@@ -22,7 +27,10 @@ __all__ = [
     "CompilationMode",
     "CUDAGraphMode",
     "PassConfig",
+    "ForwardContextError",
     "GraphBreakError",
+    "get_forward_context",
+    "set_forward_context",
     "compilation_counter",
     "compile",
     "ignore_compile",
