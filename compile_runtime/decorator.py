@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import types
 import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -119,6 +120,23 @@ def compile(
     return decorate(cls) if cls is not None else decorate
 
 
+def _private_forward(model: torch.nn.Module) -> Callable[..., Any]:
+    """``model.forward`` bound over a private copy of its code object.
+
+    Dynamo keeps its cache on the code object. Sharing one across instances
+    would pile every instance's entry on one list (and hit the recompile
+    limit after eight models of a class); a copy gives each instance a cache
+    of exactly one entry that dies with it.
+    """
+    fn = type(model).forward
+    copy = types.FunctionType(
+        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    return types.MethodType(copy, model)
+
+
 class CompiledForward:
     """The compiled forward of one model instance."""
 
@@ -135,7 +153,7 @@ class CompiledForward:
         else:
             self.backend = CompilerBackend(config, model_tag=self.model_name)
             self.compiled = torch.compile(
-                model.forward,
+                _private_forward(model),
                 backend=self.backend,
                 fullgraph=True,
                 dynamic=False,
