@@ -177,6 +177,8 @@ class _PieceCompiler(torch.fx.Interpreter):
         args_list = list(args)
         key = piece_hash(piece.graph, args_list)
         record.piece_hash = key
+        if not self.backend.config.dedupe_pieces:
+            key = f"{key}:{piece.index}"
         if key in self.compiled:
             record.shared_with, by_size = self.compiled[key]
         else:

@@ -160,6 +160,8 @@ class CompilationConfig(BaseModel):
     disable_cache: bool = False
     pass_config: PassConfig = Field(default_factory=PassConfig)
     inductor_compile_config: dict[str, Any] = Field(default_factory=dict)
+    # Compile structurally identical pieces (every layer) once and share the code.
+    dedupe_pieces: bool = True
     debug_dump_path: str | None = None
 
     # Fields that never change compiled code. Everything else is hashed, so a

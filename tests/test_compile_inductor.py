@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from toy_models import build
-from transformer_block import build_transformer
+from compile_runtime.testing import build_transformer
 
 import compile_runtime as cr
 

@@ -1,4 +1,4 @@
-"""A tiny real transformer: RMSNorm, rotary embedding, GQA projections, SwiGLU.
+"""A tiny real transformer for tests and benchmarks: RMSNorm, rotary, GQA, SwiGLU.
 
 Attention goes through the package's splitting op with a plain causal
 implementation over the step's tokens (no KV cache), so compiled and eager

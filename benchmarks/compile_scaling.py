@@ -1,0 +1,121 @@
+"""Compile work vs depth: our trace-once + piece dedup against stock torch.compile.
+
+For models of several depths, each in a fresh process with an empty Inductor
+cache (a cold start): seconds to the first output, Inductor compilations,
+Dynamo traces over 20 token counts, and seconds for all 20 sizes.
+
+    python benchmarks/compile_scaling.py [--layers 2 8 32] [--out benchmarks/results/compile_scaling.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+TOKEN_COUNTS = [16, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 17, 24, 31, 32, 33, 48, 64, 100, 128]
+VARIANTS = ["piecewise", "piecewise-nodedup", "stock-dynamic-none", "stock-dynamic-false"]
+
+
+def run_variant(variant: str, num_layers: int) -> dict:
+    """Runs in a child process: build, compile, run all token counts, report counts."""
+    import torch
+
+    import compile_runtime as cr
+    from compile_runtime.testing import build_transformer
+
+    counter = cr.compilation_counter
+    traces = {"n": 0}
+    if variant.startswith("piecewise"):
+        config = cr.CompilationConfig(backend="inductor", dedupe_pieces=variant == "piecewise")
+        model = build_transformer(config, num_layers=num_layers)
+    else:
+        from torch._inductor.compile_fx import compile_fx
+
+        def counting_inductor(gm, example_inputs):
+            traces["n"] += 1
+            return compile_fx(gm, example_inputs)
+
+        eager = build_transformer(cr.CompilationConfig(mode="NONE"), num_layers=num_layers)
+        model = torch.compile(
+            eager,
+            backend=counting_inductor,
+            dynamic=None if variant == "stock-dynamic-none" else False,
+        )
+    torch._dynamo.config.recompile_limit = 8  # the stock default, stated
+
+    def step(n: int):
+        return model(torch.randint(0, 128, (n,)), torch.arange(n))
+
+    with torch.no_grad():
+        start = time.perf_counter()
+        step(TOKEN_COUNTS[0])
+        first = time.perf_counter() - start
+        for n in TOKEN_COUNTS[1:]:
+            step(n)
+        total = time.perf_counter() - start
+    if variant.startswith("piecewise"):
+        traces["n"] = counter.num_graphs_seen
+        inductor = counter.num_inductor_compiles
+    else:
+        inductor = traces["n"]  # one Inductor compile per Dynamo graph
+    return {
+        "variant": variant,
+        "layers": num_layers,
+        "first_call_s": round(first, 2),
+        "all_20_sizes_s": round(total, 2),
+        "dynamo_traces": traces["n"],
+        "inductor_compiles": inductor,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 8, 32])
+    parser.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--out", default="benchmarks/results/compile_scaling.json")
+    parser.add_argument("--child", nargs=2, metavar=("VARIANT", "LAYERS"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.child:
+        print(json.dumps(run_variant(args.child[0], int(args.child[1]))))
+        return
+
+    rows = []
+    for layers in args.layers:
+        for variant in args.variants:
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                proc = subprocess.run(
+                    [sys.executable, __file__, "--child", variant, str(layers)],
+                    capture_output=True,
+                    text=True,
+                    env=env,
+                )
+            if proc.returncode != 0:
+                print(proc.stderr[-2000:], file=sys.stderr)
+                raise SystemExit(f"{variant} with {layers} layers failed")
+            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            print(rows[-1], file=sys.stderr)
+
+    header = "| layers | variant | first call s | 20 sizes s | Dynamo traces | Inductor compiles |"
+    print(header)
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(
+            f"| {r['layers']} | {r['variant']} | {r['first_call_s']} | {r['all_20_sizes_s']} | "
+            f"{r['dynamo_traces']} | {r['inductor_compiles']} |"
+        )
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"token_counts": TOKEN_COUNTS, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
