@@ -1,0 +1,1 @@
+"""Native model implementations and the transformers adapter."""

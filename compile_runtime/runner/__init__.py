@@ -1,0 +1,1 @@
+"""Model runner: persistent batch, paged KV cache, block table, scheduler, sampler."""

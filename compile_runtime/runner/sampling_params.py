@@ -1,0 +1,37 @@
+"""How to sample one request: the user-facing knobs of generation."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class SamplingParams(BaseModel):
+    """Per-request sampling settings. ``temperature == 0`` means greedy."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_k: int = Field(default=0, ge=0)  # 0 = off
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    max_tokens: int = Field(default=16, ge=1)
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] = Field(default_factory=list)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)  # > 1 discourages repeats
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = Field(default_factory=dict)
+    seed: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)  # top-k logprobs to return
+
+    @model_validator(mode="after")
+    def _min_not_above_max(self) -> SamplingParams:
+        if self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) is larger than max_tokens ({self.max_tokens})"
+            )
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

@@ -1,0 +1,62 @@
+"""What the scheduler tells the runner each step, and what the runner answers.
+
+Only differences travel: new requests in full, running ones by how many
+tokens to compute and which blocks were added, finished ones by id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from compile_runtime.runner.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the runner has not seen (or sees again after preemption)."""
+
+    req_id: str
+    # Every token known so far: the prompt, plus tokens generated before a
+    # preemption (those are recomputed as if they were prompt).
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int = 0
+    # Tokens generated before a preemption: penalties and min_tokens count them.
+    output_token_ids: list[int] = field(default_factory=list)
+    eos_token_id: int | None = None
+
+
+@dataclass
+class CachedRequestData:
+    """Running requests the runner already holds, one entry per request."""
+
+    req_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
+    scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
+    # req_id -> tokens to compute this step (prefill chunk, or 1 for a decode).
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # Requests that ended or were preempted since the last step: drop their state.
+    finished_req_ids: set[str] = field(default_factory=set)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Per request scheduled this step, in ``req_ids`` order."""
+
+    req_ids: list[str] = field(default_factory=list)
+    # One sampled token for a request that finished its prompt; None while a
+    # prompt is still being prefilled in chunks (nothing to sample yet).
+    sampled_token_ids: list[int | None] = field(default_factory=list)
+    # (chosen token logprob, [(token, logprob), ...] top-k) when asked for.
+    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
