@@ -13,6 +13,7 @@ from compile_runtime.config import (
 )
 from compile_runtime.counter import compilation_counter
 from compile_runtime.decorator import GraphBreakError, compile, ignore_compile
+from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.forward_context import (
     ForwardContextError,
     get_forward_context,
@@ -27,6 +28,8 @@ __all__ = [
     "CompilationMode",
     "CUDAGraphMode",
     "PassConfig",
+    "BatchDescriptor",
+    "CudagraphDispatcher",
     "ForwardContextError",
     "GraphBreakError",
     "get_forward_context",

@@ -1,0 +1,170 @@
+"""Which CUDA graph a batch runs in, and how far it is padded.
+
+The dispatcher is the single source of truth for which graphs exist: it
+builds the keys once from the capture sizes, start-up capture asks it what to
+capture, and every step asks it for ``(runtime mode, BatchDescriptor)``. The
+graph wrappers then trust what the forward context says.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
+
+logger = logging.getLogger(__name__)
+
+NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The key of one captured graph: what about a batch fixes its graph.
+
+    New keys (a LoRA flag, ...) are added as fields with a default, so
+    existing descriptors keep their meaning.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None  # None: any number of requests
+    uniform: bool = False  # every request has the same query length
+
+    def relaxed(self) -> BatchDescriptor:
+        """The mixed-batch form: same token count, any requests, any query lengths."""
+        return BatchDescriptor(self.num_tokens)
+
+
+def padding_table(sizes: Collection[int]) -> tuple[int, ...]:
+    """``table[n]`` is the smallest size >= n (``table[0]`` is 0), for n up to max(sizes)."""
+    table = [0] * (max(sizes) + 1) if sizes else [0]
+    n = 0
+    for size in sorted(sizes):
+        while n <= size:
+            table[n] = size if n else 0
+            n += 1
+    return tuple(table)
+
+
+class CudagraphDispatcher:
+    """Maps a batch to a runtime mode and a padded ``BatchDescriptor`` in O(1)."""
+
+    def __init__(
+        self,
+        config: CompilationConfig,
+        *,
+        max_num_tokens: int | None = None,
+        max_num_reqs: int | None = None,
+    ):
+        self.config = config
+        self.capture_sizes = config.capture_sizes(max_num_tokens)
+        self.max_num_reqs = max_num_reqs
+        self.mode = NONE
+        self.uniform_decode_query_len = 1
+        self.keys: dict[CUDAGraphMode, list[BatchDescriptor]] = {PIECEWISE: [], FULL: []}
+        self.keys_initialized = False
+        # Padding tables and the descriptor of every padded size, per kind of batch.
+        self._mixed_pad: tuple[int, ...] = (0,)
+        self._decode_pad: tuple[int, ...] = (0,)
+        self._mixed_desc: dict[int, BatchDescriptor] = {}
+        self._decode_desc: dict[int, BatchDescriptor] = {}
+
+    def initialize_keys(
+        self, resolved_mode: CUDAGraphMode | ResolvedModes, uniform_decode_query_len: int = 1
+    ) -> None:
+        """Build the graph keys for ``resolved_mode`` (after ``CompilationConfig.resolve``)."""
+        if isinstance(resolved_mode, ResolvedModes):
+            resolved_mode = resolved_mode.cudagraph_mode
+        if uniform_decode_query_len < 1:
+            raise ValueError(
+                f"uniform_decode_query_len must be >= 1, got {uniform_decode_query_len}"
+            )
+        self.mode = resolved_mode
+        self.uniform_decode_query_len = q = uniform_decode_query_len
+        mixed, decode = resolved_mode.mixed_mode(), resolved_mode.decode_mode()
+
+        mixed_sizes = self.capture_sizes if mixed != NONE else []
+        decode_sizes: list[int] = []
+        if decode != NONE and decode != mixed:
+            decode_sizes = [
+                s
+                for s in self.capture_sizes
+                if s % q == 0 and (self.max_num_reqs is None or s // q <= self.max_num_reqs)
+            ]
+        self._mixed_desc = {s: BatchDescriptor(s) for s in mixed_sizes}
+        self._decode_desc = {s: BatchDescriptor(s, s // q, uniform=True) for s in decode_sizes}
+        self._mixed_pad = padding_table(mixed_sizes)
+        self._decode_pad = padding_table(decode_sizes)
+        self.keys = {PIECEWISE: [], FULL: []}
+        if mixed != NONE:
+            self.keys[mixed] += self._mixed_desc.values()
+        if decode_sizes:
+            self.keys[decode] += self._decode_desc.values()
+        self.keys_initialized = True
+        self._check_compile_sizes()
+        logger.info(
+            "cudagraph keys for %s: %d PIECEWISE, %d FULL (sizes up to %d)",
+            resolved_mode.name,
+            len(self.keys[PIECEWISE]),
+            len(self.keys[FULL]),
+            max(self.capture_sizes, default=0),
+        )
+
+    def _check_compile_sizes(self) -> None:
+        """Every compile size a mixed batch can have must survive padding.
+
+        Otherwise a batch of that size is padded up and the exact-size code
+        compiled for it never runs.
+        """
+        if self.mode.mixed_mode() == NONE:
+            return
+        table = self._mixed_pad
+        for size in self.config.compile_sizes:
+            if size < len(table) and table[size] != size:
+                raise ValueError(
+                    f"compile_sizes contains {size}, but batches of {size} tokens are padded to "
+                    f"the CUDA graph size {table[size]}, so the code compiled for {size} would "
+                    f"never run; add {size} to cudagraph_capture_sizes or remove it from "
+                    "compile_sizes"
+                )
+
+    def padded_size(self, num_tokens: int, uniform_decode: bool = False) -> int | None:
+        """The graph size ``num_tokens`` pads to, or None above the largest one."""
+        table = self._decode_pad if uniform_decode else self._mixed_pad
+        return table[num_tokens] if 0 < num_tokens < len(table) else None
+
+    def dispatch(
+        self,
+        num_tokens: int,
+        uniform_decode: bool = False,
+        invalid_modes: Collection[CUDAGraphMode] = (),
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
+        """The runtime mode and padded descriptor for a batch of ``num_tokens``.
+
+        A uniform decode batch takes its own (FULL) graph when one exists;
+        anything else takes the mixed mode's graph; otherwise NONE with the
+        exact count. ``invalid_modes`` rules modes out for this batch.
+        """
+        if uniform_decode and num_tokens < len(self._decode_pad) and num_tokens > 0:
+            mode = self.mode.decode_mode()
+            if mode not in invalid_modes:
+                if num_tokens % self.uniform_decode_query_len:
+                    raise ValueError(
+                        f"a uniform decode batch has a multiple of {self.uniform_decode_query_len} "
+                        f"tokens (uniform_decode_query_len), got {num_tokens}"
+                    )
+                return mode, self._decode_desc[self._decode_pad[num_tokens]]
+        if 0 < num_tokens < len(self._mixed_pad):
+            mode = self.mode.mixed_mode()
+            if mode not in invalid_modes:
+                return mode, self._mixed_desc[self._mixed_pad[num_tokens]]
+        return NONE, BatchDescriptor(num_tokens)
+
+    def capture_descriptors(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
+        """What start-up must capture: PIECEWISE then FULL, each largest first."""
+        return [
+            (mode, desc)
+            for mode in (PIECEWISE, FULL)
+            for desc in sorted(self.keys[mode], key=lambda d: d.num_tokens, reverse=True)
+        ]
