@@ -1,0 +1,133 @@
+"""Load Hugging Face safetensors checkpoints into our native models.
+
+Our models fuse projections (q/k/v into ``qkv_proj``, gate/up into
+``gate_up_proj``); a model declares how checkpoint names map onto its
+parameters with ``stacked_params`` (fused target, checkpoint part, shard).
+Every parameter must be filled exactly once and every checkpoint tensor
+must land somewhere: anything else is an error that names the tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+
+
+class WeightLoadingError(ValueError):
+    """A checkpoint does not match the model: a missing, unexpected or misshapen tensor."""
+
+
+@dataclass(frozen=True)
+class StackedParam:
+    """Checkpoint tensors named ``*.{part}.*`` fill one shard of the fused ``*.{fused}.*``."""
+
+    fused: str
+    part: str
+    shard: str | int
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors files in {model_dir}; save the model with safetensors "
+            "(model.save_pretrained(dir, safe_serialization=True))"
+        )
+    return [os.path.join(model_dir, f) for f in files]
+
+
+def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+class FusedShards:
+    """How a fused parameter splits into checkpoint parts along dim 0."""
+
+    def __init__(self, sizes: dict[str | int, int]):
+        self.offsets: dict[str | int, tuple[int, int]] = {}
+        start = 0
+        for shard, size in sizes.items():
+            self.offsets[shard] = (start, size)
+            start += size
+
+
+def _leaf(param_name: str) -> str:
+    """``model.layers.0.self_attn.qkv_proj.weight`` -> ``qkv_proj``."""
+    parts = param_name.split(".")
+    return parts[-2] if len(parts) >= 2 else parts[0]
+
+
+def load_weights(
+    model: nn.Module,
+    model_dir: str,
+    stacked_params: list[StackedParam],
+    fused_shards: dict[str, FusedShards],
+    ignore: tuple[str, ...] = (),
+) -> None:
+    """Fill every parameter of ``model`` from the checkpoint in ``model_dir``.
+
+    ``fused_shards`` maps a fused parameter's module name (``qkv_proj``) to
+    its shard layout; checkpoint names containing any of ``ignore`` are
+    skipped (rotary caches, a tied ``lm_head.weight``).
+    """
+    params = dict(model.named_parameters())
+    filled: dict[str, set] = {name: set() for name in params}
+    for ckpt_name, tensor in iterate_weights(model_dir):
+        if any(s in ckpt_name for s in ignore):
+            continue
+        target, shard = ckpt_name, None
+        for sp in stacked_params:
+            if f".{sp.part}." in ckpt_name:
+                target, shard = ckpt_name.replace(f".{sp.part}.", f".{sp.fused}."), sp.shard
+                break
+        if target not in params:
+            raise WeightLoadingError(
+                f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__} "
+                f"(looked for parameter {target!r}); is the model directory for this architecture?"
+            )
+        dst = params[target].data
+        if shard is not None:
+            start, size = fused_shards[_leaf(target)].offsets[shard]
+            dst = dst.narrow(0, start, size)
+        _copy(dst, tensor, ckpt_name)
+        filled[target].add(shard)
+
+    missing = []
+    for name, shards in filled.items():
+        layout = fused_shards.get(_leaf(name))
+        expected = set(layout.offsets) if layout else {None}
+        if shards != expected:
+            lacking = sorted(map(str, expected - shards))
+            missing.append(f"{name} (parts {lacking})" if layout else name)
+    if missing:
+        raise WeightLoadingError(
+            f"checkpoint in {model_dir} is missing tensors for: {', '.join(missing)}"
+        )
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise WeightLoadingError(
+            f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects "
+            f"{tuple(dst.shape)}; does config.json match the weights?"
+        )
+    dst.copy_(src.to(dst.dtype))
