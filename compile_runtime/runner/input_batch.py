@@ -1,0 +1,106 @@
+"""The persistent batch: every running request's state, kept across steps.
+
+Rows are allocated when a request arrives and freed when it ends; free rows
+are reused. A step only applies the scheduler's differences (new requests,
+appended blocks, finished ids) and reads the arrays by row: no per-step
+rebuild of whole-batch state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compile_runtime.runner.block_table import BlockTable
+from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.runner.scheduler_output import NewRequestData
+
+
+@dataclass
+class RequestState:
+    req_id: str
+    row: int
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: int | None
+    output_token_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+
+class InputBatch:
+    def __init__(
+        self,
+        max_num_reqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ):
+        self.max_num_reqs = max_num_reqs
+        self.max_model_len = max_model_len
+        self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
+        self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs so far
+        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
+        max_blocks = -(-max_model_len // block_size)
+        self.block_table = BlockTable(max_num_reqs, max_blocks, block_size, device)
+        self.requests: dict[str, RequestState] = {}
+        self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add_request(self, new: NewRequestData) -> RequestState:
+        if new.req_id in self.requests:
+            raise ValueError(f"request {new.req_id!r} is already in the batch")
+        if not self._free_rows:
+            raise RuntimeError(
+                f"the batch is full ({self.max_num_reqs} requests); raise max_num_seqs"
+            )
+        n = len(new.prompt_token_ids)
+        if n > self.max_model_len:
+            raise ValueError(
+                f"request {new.req_id!r} has {n} tokens; max_model_len is {self.max_model_len}"
+            )
+        row = self._free_rows.pop()
+        self.token_ids[row, :n] = new.prompt_token_ids
+        self.num_tokens[row] = n
+        self.num_computed_tokens[row] = new.num_computed_tokens
+        self.block_table.add_row(row, new.block_ids)
+        generator = None
+        if new.sampling_params.seed is not None:
+            generator = torch.Generator().manual_seed(new.sampling_params.seed)
+        state = RequestState(
+            req_id=new.req_id,
+            row=row,
+            prompt_token_ids=list(new.prompt_token_ids[: n - len(new.output_token_ids)]),
+            sampling_params=new.sampling_params,
+            eos_token_id=new.eos_token_id,
+            output_token_ids=list(new.output_token_ids),
+            generator=generator,
+        )
+        self.requests[new.req_id] = state
+        return state
+
+    def remove_request(self, req_id: str) -> None:
+        state = self.requests.pop(req_id, None)
+        if state is None:
+            return
+        self.block_table.clear_row(state.row)
+        self._free_rows.append(state.row)
+        self._free_rows.sort(reverse=True)
+
+    def append_token(self, req_id: str, token: int) -> None:
+        state = self.requests[req_id]
+        row = state.row
+        n = int(self.num_tokens[row])
+        if n >= self.max_model_len:
+            raise ValueError(f"request {req_id!r} reached max_model_len ({self.max_model_len})")
+        self.token_ids[row, n] = token
+        self.num_tokens[row] = n + 1
+        state.output_token_ids.append(token)
+
+    def rows(self, req_ids: list[str]) -> np.ndarray:
+        return np.fromiter(
+            (self.requests[r].row for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
