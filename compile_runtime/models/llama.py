@@ -85,7 +85,11 @@ class SelfAttention(nn.Module):
         self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_size
         self.kv_size = self.num_kv_heads * self.head_size
-        bias = flags.qkv_bias if flags.qkv_bias is not None else getattr(config, "attention_bias", False)
+        bias = (
+            flags.qkv_bias
+            if flags.qkv_bias is not None
+            else getattr(config, "attention_bias", False)
+        )
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         o_bias = getattr(config, "attention_bias", False) and flags.qkv_bias is None
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
@@ -127,7 +131,9 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported")
+            raise NotImplementedError(
+                f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported"
+            )
         bias = getattr(config, "mlp_bias", False)
         self.intermediate = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
@@ -159,7 +165,8 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, flags, f"model.layers.{i}", dtype) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, flags, f"model.layers.{i}", dtype)
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

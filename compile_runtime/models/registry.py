@@ -1,0 +1,64 @@
+"""Build a model from a Hugging Face-style directory: native when we have it, else the adapter."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from compile_runtime.config import CompilationConfig, set_compilation_config
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Layers read the default dtype/device at construction (attention picks its backend)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: str,
+    compilation_config: CompilationConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    use_transformers: bool = False,
+) -> nn.Module:
+    """The model in ``model_dir`` with its weights, built under ``compilation_config``.
+
+    Llama-family architectures use our native implementation; anything else
+    (or ``use_transformers=True``) goes through the transformers adapter.
+    """
+    from transformers import AutoConfig
+
+    from compile_runtime.models.llama import ARCHITECTURES, CausalLM
+
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    device = torch.device(device)
+    native = hf_config.model_type in ARCHITECTURES and not use_transformers
+    with set_compilation_config(compilation_config), default_dtype_and_device(dtype, device):
+        if native:
+            model: nn.Module = CausalLM(hf_config, dtype)
+            model.load_weights(model_dir)
+        else:
+            from compile_runtime.models.transformers_adapter import TransformersCausalLM
+
+            model = TransformersCausalLM(model_dir, hf_config, dtype)
+    logger.info(
+        "loaded %s (%s, %s) from %s",
+        type(model).__name__,
+        hf_config.model_type,
+        "native" if native else "transformers adapter",
+        model_dir,
+    )
+    return model.eval()
