@@ -18,7 +18,7 @@ import torch
 ATTENTION_OP_NAME = "compile_runtime::attention"
 
 
-class AttentionImpl(Protocol):
+class AttentionLayerLike(Protocol):
     """What the op calls: a layer that writes attention of q, k, v into output."""
 
     def forward_impl(
@@ -26,11 +26,11 @@ class AttentionImpl(Protocol):
     ) -> None: ...
 
 
-_layers: weakref.WeakValueDictionary[str, AttentionImpl] = weakref.WeakValueDictionary()
+_layers: weakref.WeakValueDictionary[str, AttentionLayerLike] = weakref.WeakValueDictionary()
 _suffix = itertools.count(1)
 
 
-def register_attention_layer(layer: AttentionImpl, prefix: str) -> str:
+def register_attention_layer(layer: AttentionLayerLike, prefix: str) -> str:
     """Register ``layer`` and return its unique name (``prefix``, or ``prefix#n`` if taken)."""
     name = prefix
     while name in _layers:
@@ -39,7 +39,7 @@ def register_attention_layer(layer: AttentionImpl, prefix: str) -> str:
     return name
 
 
-def lookup_attention_layer(name: str) -> AttentionImpl:
+def lookup_attention_layer(name: str) -> AttentionLayerLike:
     try:
         return _layers[name]
     except KeyError:

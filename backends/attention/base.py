@@ -1,0 +1,95 @@
+"""What every attention backend declares and implements.
+
+A backend is a class with class-level facts (name, CUDA graph support, the
+dtypes, head sizes and devices it takes) plus two factories: the per-layer
+implementation that computes attention, and the per-step metadata builder.
+The registry reads the facts to choose one; the layer holds an instance of
+its implementation.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
+from compile_runtime.attention.spec import AttentionSpec
+from compile_runtime.config import AttentionCGSupport
+
+
+class AttentionBackendError(ValueError):
+    """A backend was selected where it cannot run; the message says what to change."""
+
+
+class AttentionImpl:
+    """Computes one layer's attention for one step (called by the custom op)."""
+
+    def __init__(self, spec: AttentionSpec):
+        self.spec = spec
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_size]
+        metadata: AttentionMetadata,
+        output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
+    ) -> None:
+        """Write this step's keys/values into the cache, then attention into ``output``."""
+        raise NotImplementedError
+
+
+class AttentionBackend:
+    name: ClassVar[str]
+    cg_support: ClassVar[AttentionCGSupport]
+    supported_dtypes: ClassVar[frozenset[torch.dtype]]
+    supported_devices: ClassVar[frozenset[str]]  # device types: "cpu", "cuda"
+    supported_head_sizes: ClassVar[frozenset[int] | None] = None  # None = any
+    impl_cls: ClassVar[type[AttentionImpl]]
+    builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
+
+    @classmethod
+    def missing_dependency(cls) -> str | None:
+        """Why the backend cannot be used in this environment (what to install), or None."""
+        return None
+
+    @classmethod
+    def unsupported_reason(
+        cls,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        head_size: int | None = None,
+    ) -> str | None:
+        """Why the backend cannot take this device/dtype/head size, or None if it can."""
+        missing = cls.missing_dependency()
+        if missing:
+            return missing
+        if device is not None and torch.device(device).type not in cls.supported_devices:
+            return f"runs on {sorted(cls.supported_devices)}, not {torch.device(device).type!r}"
+        if dtype is not None and dtype not in cls.supported_dtypes:
+            names = sorted(str(d).removeprefix("torch.") for d in cls.supported_dtypes)
+            return f"takes dtypes {names}, not {str(dtype).removeprefix('torch.')}"
+        if (
+            head_size is not None
+            and cls.supported_head_sizes is not None
+            and head_size not in cls.supported_head_sizes
+        ):
+            return f"takes head sizes {sorted(cls.supported_head_sizes)}, not {head_size}"
+        return None
+
+    @classmethod
+    def make_impl(cls, spec: AttentionSpec) -> AttentionImpl:
+        return cls.impl_cls(spec)
+
+    @classmethod
+    def make_builder(
+        cls,
+        spec: AttentionSpec,
+        block_size: int,
+        max_num_reqs: int,
+        device: torch.device | str,
+    ) -> AttentionMetadataBuilder:
+        """The step's metadata builder for layers with this spec (one per group of layers)."""
+        return cls.builder_cls(spec, block_size, max_num_reqs, device)

@@ -1,0 +1,198 @@
+"""Per-step attention metadata and the builder that makes it.
+
+The runner builds metadata once per step (outside any graph) and passes it
+through ``set_forward_context``; every attention layer of the step reads the
+same object. Device tensors the kernels read live in buffers the builder owns
+(``query_start_loc``, ``seq_lens``) or the runner owns (``block_table``,
+``slot_mapping``), so a CUDA graph captured on one step reads the next step's
+values from the same addresses.
+
+Padding. A graph runs at a padded token count. Tokens past
+``num_actual_tokens`` are padding: their slot is -1 (their key/value land in
+the null block) and their output rows are zero or garbage, never read. For
+FULL graphs the request count may be padded too (``num_reqs_padded``): padded
+requests have no query tokens and ``seq_len`` 0, so kernel arguments are
+identical on every replay of one captured size.
+
+Lifetime. The device tensors of a metadata object are views of the builder's
+buffers: they hold the latest step's values, so use a metadata object before
+building the next one (the runner does, one step at a time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compile_runtime.attention.kv_cache import PADDING_SLOT
+from compile_runtime.attention.spec import AttentionSpec
+
+
+@dataclass
+class AttentionMetadata:
+    num_actual_tokens: int  # real tokens; the rest of the step's tokens are padding
+    num_reqs: int  # real requests
+    max_query_len: int
+    max_seq_len: int
+    uniform_decode: bool  # every request has exactly one query token
+    block_size: int
+    # Device tensors (int32 unless noted). Request i owns query tokens
+    # query_start_loc[i]:query_start_loc[i+1] and attends to its seq_lens[i]
+    # cached tokens (this step's included), the last query token being the last.
+    query_start_loc: torch.Tensor  # [num_reqs_padded + 1]
+    seq_lens: torch.Tensor  # [num_reqs_padded]
+    block_table: torch.Tensor  # [>= num_reqs, max_blocks_per_req], physical block ids
+    slot_mapping: torch.Tensor  # [>= num_actual_tokens] int64, -1 = padding
+    # Host copies of the real requests' values, for backends that plan on the CPU.
+    query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
+    seq_lens_cpu: torch.Tensor  # [num_reqs]
+    # Whatever a backend's builder prepared for its kernels (FlashInfer's planned wrapper).
+    backend_state: Any = None
+
+    @property
+    def num_reqs_padded(self) -> int:
+        return self.query_start_loc.shape[0] - 1
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+
+class MetadataError(ValueError):
+    """The runner passed inconsistent step data to a metadata builder."""
+
+
+class AttentionMetadataBuilder:
+    """Turns the runner's per-step arrays into ``AttentionMetadata``.
+
+    Backends that need more (a plan, extra buffers) subclass this and fill
+    ``backend_state`` in ``_finish``.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        block_size: int,
+        max_num_reqs: int,
+        device: torch.device | str,
+    ):
+        self.spec = spec
+        self.block_size = block_size
+        self.max_num_reqs = max_num_reqs
+        self.device = torch.device(device)
+        pin = self.device.type == "cuda"
+        self._query_start_loc_cpu = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
+        self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin)
+        self._query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
+        self._seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+
+    def build(
+        self,
+        query_start_loc_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        block_table: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        num_actual_tokens: int,
+        *,
+        num_reqs_padded: int | None = None,
+        num_padded_tokens: int | None = None,
+        for_cudagraph: bool = False,
+    ) -> AttentionMetadata:
+        """Metadata of one step.
+
+        ``query_start_loc_cpu`` [num_reqs + 1] and ``seq_lens_cpu`` [num_reqs]
+        are host tensors; ``block_table`` and ``slot_mapping`` live on the
+        device. Entries of ``slot_mapping`` past ``num_actual_tokens`` are set
+        to -1 here, so padded tokens never write into a request's blocks.
+        ``num_padded_tokens`` is the token count the forward runs at (defaults
+        to ``num_actual_tokens``). ``for_cudagraph`` says the step runs inside
+        a FULL CUDA graph (capture or replay), for backends that then need
+        fixed-address resources per padded size.
+        """
+        num_reqs = seq_lens_cpu.shape[0]
+        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+        self._validate(query_start_loc_cpu, seq_lens_cpu, block_table, num_actual_tokens, padded)
+
+        qsl_cpu = self._query_start_loc_cpu[: padded + 1]
+        lens_cpu = self._seq_lens_cpu[:padded]
+        qsl_cpu[: num_reqs + 1].copy_(query_start_loc_cpu)
+        qsl_cpu[num_reqs + 1 :].fill_(num_actual_tokens)
+        lens_cpu[:num_reqs].copy_(seq_lens_cpu)
+        lens_cpu[num_reqs:].fill_(0)
+        query_start_loc = self._query_start_loc[: padded + 1]
+        seq_lens = self._seq_lens[:padded]
+        query_start_loc.copy_(qsl_cpu, non_blocking=True)
+        seq_lens.copy_(lens_cpu, non_blocking=True)
+
+        if slot_mapping.shape[0] > num_actual_tokens:
+            slot_mapping[num_actual_tokens:].fill_(PADDING_SLOT)
+        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+        max_query_len = int(query_lens.max()) if num_reqs else 0
+        metadata = AttentionMetadata(
+            num_actual_tokens=num_actual_tokens,
+            num_reqs=num_reqs,
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens_cpu.max()) if num_reqs else 0,
+            uniform_decode=num_reqs > 0 and max_query_len == 1 and num_actual_tokens == num_reqs,
+            block_size=self.block_size,
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            block_table=block_table.to(self.device, non_blocking=True),
+            slot_mapping=slot_mapping.to(self.device, non_blocking=True),
+            query_start_loc_cpu=qsl_cpu[: num_reqs + 1].clone(),
+            seq_lens_cpu=lens_cpu[:num_reqs].clone(),
+        )
+        self._finish(metadata, num_padded_tokens or num_actual_tokens, for_cudagraph)
+        return metadata
+
+    def _finish(
+        self, metadata: AttentionMetadata, num_padded_tokens: int, for_cudagraph: bool
+    ) -> None:
+        """Backend hook: prepare ``metadata.backend_state``."""
+
+    def _validate(
+        self,
+        query_start_loc_cpu: torch.Tensor,
+        seq_lens_cpu: torch.Tensor,
+        block_table: torch.Tensor,
+        num_actual_tokens: int,
+        num_reqs_padded: int,
+    ) -> None:
+        num_reqs = seq_lens_cpu.shape[0]
+        if query_start_loc_cpu.device.type != "cpu" or seq_lens_cpu.device.type != "cpu":
+            raise MetadataError("query_start_loc_cpu and seq_lens_cpu must be host (CPU) tensors")
+        if query_start_loc_cpu.shape != (num_reqs + 1,):
+            raise MetadataError(
+                f"query_start_loc_cpu has shape {tuple(query_start_loc_cpu.shape)}; expected "
+                f"({num_reqs + 1},) for {num_reqs} requests"
+            )
+        if int(query_start_loc_cpu[-1]) != num_actual_tokens or int(query_start_loc_cpu[0]) != 0:
+            raise MetadataError(
+                f"query_start_loc_cpu must run from 0 to num_actual_tokens={num_actual_tokens}, "
+                f"got {query_start_loc_cpu.tolist()}"
+            )
+        if not num_reqs <= num_reqs_padded <= self.max_num_reqs:
+            raise MetadataError(
+                f"need num_reqs ({num_reqs}) <= num_reqs_padded ({num_reqs_padded}) <= "
+                f"max_num_reqs ({self.max_num_reqs}); build the builder with a larger max_num_reqs"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+            raise MetadataError(
+                f"block_table has shape {tuple(block_table.shape)}; expected "
+                f"[>= {num_reqs}, max_blocks_per_req]"
+            )
+        if num_reqs:
+            query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
+            if bool((query_lens > seq_lens_cpu).any()) or bool((query_lens < 0).any()):
+                raise MetadataError(
+                    "every request needs 0 <= query_len <= seq_len; query lens "
+                    f"{query_lens.tolist()}, seq lens {seq_lens_cpu.tolist()}"
+                )
+            max_blocks = -(-int(seq_lens_cpu.max()) // self.block_size)
+            if max_blocks > block_table.shape[1]:
+                raise MetadataError(
+                    f"a request of {int(seq_lens_cpu.max())} tokens needs {max_blocks} blocks of "
+                    f"{self.block_size}; block_table has {block_table.shape[1]} columns"
+                )

@@ -1,0 +1,41 @@
+"""What an attention layer is, independent of any backend.
+
+Backends and metadata builders receive this instead of the layer, so they
+never depend on ``nn.Module`` code and layers with the same spec can share a
+builder (one ``plan()`` per step for all of them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    scale: float
+    # Each query sees itself and the ``sliding_window - 1`` tokens before it.
+    sliding_window: int | None = None
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_size <= 0:
+            raise ValueError(
+                f"num_heads ({self.num_heads}), num_kv_heads ({self.num_kv_heads}) and "
+                f"head_size ({self.head_size}) must be positive"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                f"({self.num_kv_heads}) for grouped-query attention"
+            )
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
