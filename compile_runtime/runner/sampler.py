@@ -1,0 +1,159 @@
+"""Turn the last-position logits of each request into one token each.
+
+Order of operations, per row, all in float32:
+  logprobs (from the raw logits, so they describe the model, not the knobs)
+  -> logit bias -> min_tokens mask -> repetition/frequency/presence penalties
+  -> greedy argmax, or temperature -> top-k -> top-p -> random draw.
+
+The random draw is an exponential race: argmax(probs / q) with q ~ Exp(1)
+is distributed as Categorical(probs). Drawing q row by row from a request's
+own generator makes a seeded request reproducible whatever else is in the
+batch, while the unseeded rows share one batched draw from the global RNG.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compile_runtime.runner.sampling_metadata import SamplingMetadata
+
+# (logprob of the chosen token, [(token, logprob), ...] top-k by logprob)
+Logprobs = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass
+class SamplerOutput:
+    # [num_reqs] int64 on the logits' device.
+    token_ids: torch.Tensor
+    # Per row; None for requests that did not ask for logprobs.
+    logprobs: list[Logprobs | None]
+
+
+class Sampler:
+    """Stateless: all per-request state arrives in the SamplingMetadata."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != metadata.num_reqs:
+            raise ValueError(
+                f"logits must be [num_reqs={metadata.num_reqs}, vocab], got {tuple(logits.shape)}"
+            )
+        # A copy: the processing below is in place and must not touch the caller's tensor.
+        logits = logits.to(torch.float32, copy=True)
+        raw_logprobs = (
+            torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
+        )
+
+        apply_logit_bias(logits, metadata)
+        apply_min_tokens(logits, metadata)
+        logits = apply_penalties(logits, metadata)
+        token_ids = _choose(logits, metadata)
+
+        logprobs: list[Logprobs | None] = [None] * metadata.num_reqs
+        if raw_logprobs is not None:
+            logprobs = _gather_logprobs(raw_logprobs, token_ids, metadata)
+        return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Add each request's bias to its chosen tokens (in place)."""
+    if metadata.logit_bias is not None:
+        rows, toks, vals = metadata.logit_bias
+        logits.index_put_((rows, toks), vals, accumulate=True)
+
+
+def apply_min_tokens(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
+    """Forbid EOS and stop tokens for requests still below min_tokens (in place)."""
+    if metadata.min_tokens_mask is not None:
+        rows, toks = metadata.min_tokens_mask
+        logits.index_put_((rows, toks), torch.tensor(float("-inf"), device=logits.device))
+
+
+def apply_penalties(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Repetition (prompt + output), then frequency and presence (output only)."""
+    if metadata.repetition_penalties is None:
+        return logits
+    assert metadata.prompt_token_ids is not None and metadata.output_token_ids is not None
+    assert metadata.frequency_penalties is not None and metadata.presence_penalties is not None
+    num_reqs, vocab = logits.shape
+    # One extra column catches the padding id (== vocab) and is dropped.
+    out_ids = metadata.output_token_ids
+    counts = torch.zeros(num_reqs, vocab + 1, dtype=torch.float32, device=logits.device)
+    counts.scatter_add_(1, out_ids, torch.ones_like(out_ids, dtype=torch.float32))
+    counts = counts[:, :vocab]
+    in_output = counts > 0
+    in_prompt = torch.zeros(num_reqs, vocab + 1, dtype=torch.bool, device=logits.device)
+    in_prompt.scatter_(1, metadata.prompt_token_ids, True)
+    seen = in_prompt[:, :vocab] | in_output
+
+    rep = metadata.repetition_penalties[:, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    logits = torch.where(seen, penalised, logits)
+    logits = logits - metadata.frequency_penalties[:, None] * counts
+    logits = logits - metadata.presence_penalties[:, None] * in_output.float()
+    return logits
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
+    """Set to -inf every token outside the row's top-k and outside its top-p nucleus.
+
+    top-p keeps the smallest prefix of tokens (by probability, descending)
+    whose total probability reaches top_p; the most likely token always stays.
+    """
+    if top_k is None and top_p is None:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    if top_k is not None:
+        ranks = torch.arange(logits.shape[-1], device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs
+        drop = mass_before >= top_p[:, None]
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def _choose(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """Greedy rows take the argmax; the others sample."""
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    is_greedy = metadata.temperature == 0
+    temperature = torch.where(is_greedy, 1.0, metadata.temperature)
+    scaled = apply_top_k_top_p(logits / temperature[:, None], metadata.top_k, metadata.top_p)
+    sampled = _exponential_race(scaled.softmax(dim=-1), metadata.generators)
+    if metadata.all_random:
+        return sampled
+    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+
+
+def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    q = torch.empty_like(probs)
+    if len(generators) < probs.shape[0]:
+        q.exponential_()
+    for row, gen in generators.items():
+        q[row].exponential_(generator=gen)
+    # exponential_ may return 0; keep 0/0 out of the argmax.
+    q.clamp_min_(torch.finfo(q.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
+
+
+def _gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata
+) -> list[Logprobs | None]:
+    max_k = min(metadata.max_num_logprobs or 0, raw_logprobs.shape[-1])
+    chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
+    top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1)
+    top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
+    result: list[Logprobs | None] = []
+    for row, k in enumerate(metadata.num_logprobs):
+        if k is None:
+            result.append(None)
+        else:
+            top = list(zip(top_ids_l[row][:k], top_vals_l[row][:k], strict=True))
+            result.append((chosen[row], top))
+    return result
