@@ -23,6 +23,7 @@ from compile_runtime.attention_op import default_splitting_ops
 from compile_runtime.backends.compiler import CompiledPiece, make_adaptor
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counter import compilation_counter
+from compile_runtime.cudagraph import wrap_piece
 from compile_runtime.graph_hash import piece_hash
 from compile_runtime.passes.manager import PassManager
 from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
@@ -112,13 +113,20 @@ class CompilerBackend:
         compiler = _PieceCompiler(split_gm, pieces, self)
         with fake_mode:
             compiler.run(*fake_args)
-        for piece in pieces:
-            if not piece.is_splitting_op:
-                runtime = compiler.runtimes[piece.name]
-                # A compiled artifact is not an nn.Module: put it in place through __dict__.
-                split_gm._modules.pop(piece.name)
-                split_gm.__dict__[piece.name] = runtime
-                self.runtimes.append(runtime)
+        capturable = [p for p in pieces if not p.is_splitting_op]
+        for i, piece in enumerate(capturable):
+            runtime = compiler.runtimes[piece.name]
+            # A compiled artifact is not an nn.Module: put it in place through __dict__.
+            split_gm._modules.pop(piece.name)
+            split_gm.__dict__[piece.name] = wrap_piece(
+                runtime,
+                self.config,
+                graph=piece.graph,
+                index=piece.index,
+                is_first=i == 0,
+                is_last=i == len(capturable) - 1,
+            )
+            self.runtimes.append(runtime)
 
         self.split_gm = split_gm
         self.result = CompileResult(

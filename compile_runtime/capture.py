@@ -1,0 +1,142 @@
+"""Start-up capture: every graph the dispatcher lists, before the first request.
+
+Capturing at start-up (largest size first, all graphs in one memory pool)
+means serving never pays for a capture, and the memory the graphs take is
+known before the KV cache is sized.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from compile_runtime.config import CUDAGraphMode
+from compile_runtime.counter import compilation_counter
+from compile_runtime.cudagraph import CUDAGraphCaptureError, cudagraph_capturing_enabled
+from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.forward_context import set_forward_context
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CaptureInputs:
+    """One forward's inputs for a descriptor; ``make_inputs`` may also return a bare args tuple."""
+
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    attn_metadata: Any = None
+
+
+@dataclass
+class CaptureReport:
+    num_descriptors: dict[str, int] = field(default_factory=dict)  # by runtime mode name
+    num_graphs: dict[str, int] = field(default_factory=dict)  # one per wrapper per descriptor
+    seconds: dict[str, float] = field(default_factory=dict)
+    memory_bytes: int | None = None  # device memory the graphs took; None without CUDA
+
+    def summary(self) -> str:
+        parts = [
+            f"{mode}: {self.num_graphs[mode]} graphs for {self.num_descriptors[mode]} sizes "
+            f"in {self.seconds[mode]:.2f} s"
+            for mode in self.num_graphs
+        ]
+        memory = "" if self.memory_bytes is None else f", pool {self.memory_bytes / 2**20:.1f} MiB"
+        return "captured CUDA graphs: " + ("; ".join(parts) or "none") + memory
+
+
+def _as_inputs(value: CaptureInputs | tuple[Any, ...] | Any) -> CaptureInputs:
+    if isinstance(value, CaptureInputs):
+        return value
+    return CaptureInputs(args=value if isinstance(value, tuple) else (value,))
+
+
+def capture(
+    model: Callable[..., Any],
+    make_inputs: Callable[[BatchDescriptor], CaptureInputs | tuple[Any, ...]],
+    dispatcher: CudagraphDispatcher,
+    *,
+    progress: bool = True,
+) -> CaptureReport:
+    """Capture every ``(mode, descriptor)`` of ``dispatcher.capture_descriptors()``.
+
+    ``make_inputs(descriptor)`` gives the forward's inputs padded to
+    ``descriptor.num_tokens``, in the persistent buffers serving will use.
+    ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
+    """
+    descriptors = dispatcher.capture_descriptors()
+    report = CaptureReport()
+    if not descriptors:
+        logger.info("no CUDA graphs to capture (cudagraph mode %s)", dispatcher.mode.name)
+        return report
+    cuda = torch.cuda.is_available()
+
+    # Trace, compile and warm up outside any graph, at the largest size.
+    largest = max((d for _, d in descriptors), key=lambda d: d.num_tokens)
+    inputs = _as_inputs(make_inputs(largest))
+    with set_forward_context(inputs.attn_metadata, num_tokens=largest.num_tokens):
+        model(*inputs.args, **inputs.kwargs)
+
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info()[0]
+    # Objects alive now stay alive: freezing them keeps the collector from
+    # walking them during every capture.
+    gc.collect()
+    gc.freeze()
+    try:
+        with cudagraph_capturing_enabled():
+            for mode, descriptor in tqdm(
+                descriptors, desc="Capturing CUDA graphs", unit="graph", disable=not progress
+            ):
+                _capture_one(model, make_inputs, mode, descriptor, report, cuda)
+    finally:
+        gc.unfreeze()
+    if cuda:
+        torch.cuda.synchronize()
+        report.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+    logger.info(report.summary())
+    return report
+
+
+def _capture_one(
+    model: Callable[..., Any],
+    make_inputs: Callable[[BatchDescriptor], Any],
+    mode: CUDAGraphMode,
+    descriptor: BatchDescriptor,
+    report: CaptureReport,
+    cuda: bool,
+) -> None:
+    inputs = _as_inputs(make_inputs(descriptor))
+    before = compilation_counter.num_cudagraph_captured
+    start = time.perf_counter()
+    with set_forward_context(
+        inputs.attn_metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+    ):
+        model(*inputs.args, **inputs.kwargs)
+    if cuda:
+        torch.cuda.synchronize()
+    captured = compilation_counter.num_cudagraph_captured - before
+    if captured == 0:
+        hint = (
+            "wrap the model with compile_runtime.cudagraph.wrap_full_model"
+            if mode == CUDAGraphMode.FULL
+            else "pieces are wrapped when the model is compiled with CompilationMode.PIECEWISE "
+            "and a cudagraph_mode with PIECEWISE graphs, on a machine with CUDA"
+        )
+        raise CUDAGraphCaptureError(
+            f"no {mode.name} graph was captured for {descriptor}: the model has no {mode.name} "
+            f"CUDAGraphWrapper ({hint}), or this descriptor was captured already"
+        )
+    name = mode.name
+    report.num_descriptors[name] = report.num_descriptors.get(name, 0) + 1
+    report.num_graphs[name] = report.num_graphs.get(name, 0) + captured
+    report.seconds[name] = report.seconds.get(name, 0.0) + time.perf_counter() - start

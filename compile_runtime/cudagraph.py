@@ -1,0 +1,388 @@
+"""CUDAGraphWrapper: capture a callable per BatchDescriptor, then replay it.
+
+The same wrapper serves FULL graphs (around the whole model) and PIECEWISE
+graphs (around each compiled piece). It never decides anything: the forward
+context says which runtime mode and descriptor this step has (the dispatcher
+set them), and the wrapper replays, captures, or calls straight through.
+
+Capture is allowed only while start-up capture is on
+(``cudagraph_capturing_enabled``); a missing graph during serving is an error.
+
+The graph implementation comes from a small factory (``set_graph_factory``),
+``torch.cuda.CUDAGraph`` by default, so CPU tests can put a recording double
+in its place and exercise every path of the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import inspect
+import logging
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Protocol
+from unittest import mock
+
+import torch
+import torch.fx
+from torch.utils._pytree import tree_map_only
+
+from compile_runtime.config import (
+    CompilationConfig,
+    CompilationMode,
+    CUDAGraphMode,
+    get_compilation_config,
+)
+from compile_runtime.counter import compilation_counter
+from compile_runtime.dispatcher import BatchDescriptor
+from compile_runtime.forward_context import get_forward_context, is_forward_context_available
+
+logger = logging.getLogger(__name__)
+
+DEBUG_ENV = "COMPILE_RUNTIME_CUDAGRAPH_DEBUG"
+
+
+class CUDAGraphCaptureError(RuntimeError):
+    """A graph is missing outside start-up capture, or the forward context is incomplete."""
+
+
+class CUDAGraphAddressError(RuntimeError):
+    """An input of a captured graph is at a different address than at capture (debug mode)."""
+
+
+# ---- the graph implementation ---------------------------------------------
+
+
+class CapturedGraph(Protocol):
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        """Record ``fn`` into this graph (allocating from ``pool``); return its outputs."""
+
+    def replay(self) -> None: ...
+
+
+class GraphFactory(Protocol):
+    def new_graph(self) -> CapturedGraph: ...
+
+    def pool(self) -> Any:
+        """The one memory pool every graph from this factory allocates from."""
+
+
+class TorchCUDAGraph:
+    def __init__(self) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        with torch.cuda.graph(self.graph, pool=pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class TorchCUDAGraphFactory:
+    def __init__(self) -> None:
+        self._pool: Any = None
+
+    def new_graph(self) -> TorchCUDAGraph:
+        return TorchCUDAGraph()
+
+    def pool(self) -> Any:
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+
+_default_factory = TorchCUDAGraphFactory()
+_factory: GraphFactory = _default_factory
+
+
+def get_graph_factory() -> GraphFactory:
+    return _factory
+
+
+def set_graph_factory(factory: GraphFactory | None) -> GraphFactory:
+    """Use ``factory`` for wrappers created from now on (None: CUDA graphs); returns the old one."""
+    global _factory
+    previous, _factory = _factory, factory if factory is not None else _default_factory
+    return previous
+
+
+@contextlib.contextmanager
+def use_graph_factory(factory: GraphFactory) -> Iterator[GraphFactory]:
+    previous = set_graph_factory(factory)
+    try:
+        yield factory
+    finally:
+        set_graph_factory(previous)
+
+
+def graphs_available() -> bool:
+    """CUDA is there, or a substitute factory (a test double) stands in for it."""
+    return _factory is not _default_factory or torch.cuda.is_available()
+
+
+# ---- start-up capture switch ----------------------------------------------
+
+_capturing_enabled = False
+
+
+def set_cudagraph_capturing_enabled(enabled: bool) -> None:
+    global _capturing_enabled
+    _capturing_enabled = enabled
+
+
+def is_cudagraph_capturing_enabled() -> bool:
+    return _capturing_enabled
+
+
+@contextlib.contextmanager
+def cudagraph_capturing_enabled(enabled: bool = True) -> Iterator[None]:
+    """Allow wrappers to capture missing graphs inside this block (start-up only)."""
+    previous = _capturing_enabled
+    set_cudagraph_capturing_enabled(enabled)
+    try:
+        yield
+    finally:
+        set_cudagraph_capturing_enabled(previous)
+
+
+# ---- weak references to graph outputs -------------------------------------
+
+
+def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``tensor``'s memory that does not keep that memory allocated.
+
+    Graph outputs live in the shared pool; the pool keeps the memory, so a
+    non-owning view stays valid while letting later captures reuse the block.
+    """
+    storage = tensor.untyped_storage()
+    if storage.nbytes() == 0:
+        return tensor
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), tensor.device, storage.nbytes()
+    )
+    view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    return view.set_(alias, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+
+def weak_ref_tensors(outputs: Any) -> Any:
+    return tree_map_only(torch.Tensor, weak_ref_tensor, outputs)
+
+
+# ---- the wrapper -----------------------------------------------------------
+
+
+def _noop(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    if isinstance(fn, torch.nn.Module):
+        fn = fn.forward
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    names = []
+    for p in params:
+        if p.kind not in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD):
+            break
+        names.append(p.name)
+    return names
+
+
+@dataclasses.dataclass
+class _Entry:
+    graph: CapturedGraph
+    outputs: Any
+    input_addresses: dict[str, int] | None  # debug mode only
+
+
+class CUDAGraphWrapper:
+    """Replays ``runnable`` from a CUDA graph when the forward context says ``runtime_mode``.
+
+    ``is_first_piece`` / ``is_last_piece`` place a piece within one forward:
+    only the first capture frees memory first (gc.collect, empty_cache), and
+    only the last keeps its outputs as owning tensors (earlier outputs are
+    consumed inside the forward, so the pool may reuse their blocks).
+    """
+
+    def __init__(
+        self,
+        runnable: Callable[..., Any],
+        runtime_mode: CUDAGraphMode,
+        *,
+        num_warmups: int = 1,
+        is_first_piece: bool = True,
+        is_last_piece: bool = True,
+        debug: bool | None = None,
+        name: str | None = None,
+        arg_names: Sequence[str] | None = None,
+        graph_factory: GraphFactory | None = None,
+    ):
+        if runtime_mode not in (CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL):
+            raise ValueError(
+                f"CUDAGraphWrapper captures PIECEWISE or FULL graphs, got {runtime_mode.name}"
+            )
+        self.runnable = runnable
+        self.runtime_mode = runtime_mode
+        self.num_warmups = num_warmups
+        self.is_first_piece = is_first_piece
+        self.is_last_piece = is_last_piece
+        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
+        self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
+        self.arg_names = list(arg_names) if arg_names is not None else _positional_names(runnable)
+        self.factory = graph_factory or get_graph_factory()
+        self.entries: dict[BatchDescriptor, _Entry] = {}
+        self.num_replays = 0
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes the wrapper lacks: let the model's show through.
+        runnable = self.__dict__.get("runnable")
+        if runnable is None:
+            raise AttributeError(name)
+        return getattr(runnable, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not is_forward_context_available():
+            return self.runnable(*args, **kwargs)
+        context = get_forward_context()
+        if context.cudagraph_runtime_mode != self.runtime_mode:
+            return self.runnable(*args, **kwargs)
+        descriptor = context.batch_descriptor
+        entry = self.entries.get(descriptor)  # type: ignore[arg-type]
+        if entry is None:
+            return self._capture(descriptor, args, kwargs)
+        if entry.input_addresses is not None:
+            self._check_addresses(descriptor, entry.input_addresses, args, kwargs)
+        entry.graph.replay()
+        self.num_replays += 1
+        return entry.outputs
+
+    def _capture(
+        self, descriptor: BatchDescriptor | None, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        mode = self.runtime_mode.name
+        if descriptor is None:
+            raise CUDAGraphCaptureError(
+                f"{self.name}: the forward context says {mode} but has no batch_descriptor; "
+                "pass the descriptor the dispatcher returned to set_forward_context"
+            )
+        if not _capturing_enabled:
+            raise CUDAGraphCaptureError(
+                f"{self.name}: no {mode} CUDA graph for {descriptor}, and capturing is off. "
+                "Graphs are captured at start-up (compile_runtime.capture.capture) for the "
+                "descriptors the dispatcher lists; a batch with another descriptor means the "
+                "dispatcher and the captured graphs disagree"
+            )
+        for _ in range(self.num_warmups):
+            self.runnable(*args, **kwargs)
+        addresses = self._addresses(args, kwargs) if self.debug else None
+        graph = self.factory.new_graph()
+        with self._capture_hygiene():
+            outputs = graph.capture(lambda: self.runnable(*args, **kwargs), self.factory.pool())
+        # Capture records the work without running it: replay once so this call's
+        # outputs hold real values.
+        graph.replay()
+        kept = outputs if self.is_last_piece else weak_ref_tensors(outputs)
+        self.entries[descriptor] = _Entry(graph, kept, addresses)
+        compilation_counter.num_cudagraph_captured += 1
+        logger.debug("captured %s graph of %s for %s", mode, self.name, descriptor)
+        return outputs
+
+    @contextlib.contextmanager
+    def _capture_hygiene(self) -> Iterator[None]:
+        """Let only the first piece's capture pay for gc.collect and empty_cache."""
+        if self.is_first_piece:
+            yield
+            return
+        with mock.patch("gc.collect", _noop), mock.patch("torch.cuda.empty_cache", _noop):
+            yield
+
+    def _addresses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
+        named = [
+            (self.arg_names[i] if i < len(self.arg_names) else f"argument {i}", value)
+            for i, value in enumerate(args)
+        ] + list(kwargs.items())
+        return {name: v.data_ptr() for name, v in named if isinstance(v, torch.Tensor)}
+
+    def _check_addresses(
+        self,
+        descriptor: BatchDescriptor,
+        captured: dict[str, int],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        now = self._addresses(args, kwargs)
+        for name, address in captured.items():
+            if now.get(name) != address:
+                raise CUDAGraphAddressError(
+                    f"{self.name}: input {name!r} is at {now.get(name)!r}, but the {descriptor} "
+                    f"graph was captured reading it at {address:#x}; a graph reads fixed "
+                    "addresses, so copy new values into the same (persistent) buffer instead "
+                    "of passing a new tensor"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"CUDAGraphWrapper({self.name}, {self.runtime_mode.name}, graphs={len(self.entries)})"
+        )
+
+
+# ---- integration helpers ----------------------------------------------------
+
+
+def piecewise_cudagraphs_enabled(config: CompilationConfig) -> bool:
+    """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE."""
+    return (
+        config.mode == CompilationMode.PIECEWISE
+        and config.cudagraph_mode.has_piecewise_cudagraphs()
+        and graphs_available()
+    )
+
+
+def wrap_piece(
+    runtime: Callable[..., Any],
+    config: CompilationConfig,
+    *,
+    graph: torch.fx.GraphModule | None = None,
+    index: int,
+    is_first: bool,
+    is_last: bool,
+) -> Callable[..., Any]:
+    """``runtime`` in a PIECEWISE wrapper when piecewise graphs are on, else as is."""
+    if not piecewise_cudagraphs_enabled(config):
+        return runtime
+    names = None
+    if graph is not None:
+        names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
+    return CUDAGraphWrapper(
+        runtime,
+        CUDAGraphMode.PIECEWISE,
+        num_warmups=config.cudagraph_num_warmups,
+        is_first_piece=is_first,
+        is_last_piece=is_last,
+        name=f"piece {index}",
+        arg_names=names,
+    )
+
+
+def wrap_full_model(
+    model: Callable[..., Any], config: CompilationConfig | None = None
+) -> CUDAGraphWrapper:
+    """Wrap a whole (compiled) model for FULL graphs; the runner calls this after loading.
+
+    FULL is not automatic in ``@compile``: only the runner knows whether the
+    attention backends can run inside a graph. Call the returned wrapper
+    exactly like the model; attributes not on the wrapper come from the model.
+    When both FULL and PIECEWISE graphs are on, a FULL replay never enters the
+    model, and a PIECEWISE step calls through to the model's wrapped pieces.
+    """
+    config = config or get_compilation_config()
+    return CUDAGraphWrapper(
+        model,
+        CUDAGraphMode.FULL,
+        num_warmups=config.cudagraph_num_warmups,
+        name=f"{type(model).__name__} (FULL)",
+    )
