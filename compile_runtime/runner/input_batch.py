@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from compile_runtime.runner.block_table import BlockTable
+from compile_runtime.runner.sampling_metadata import make_generator
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler_output import NewRequestData
 
@@ -38,6 +39,7 @@ class InputBatch:
         device: torch.device,
     ):
         self.max_num_reqs = max_num_reqs
+        self.device = device
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs so far
@@ -69,7 +71,7 @@ class InputBatch:
         self.block_table.add_row(row, new.block_ids)
         generator = None
         if new.sampling_params.seed is not None:
-            generator = torch.Generator().manual_seed(new.sampling_params.seed)
+            generator = make_generator(new.sampling_params.seed, self.device)
         state = RequestState(
             req_id=new.req_id,
             row=row,

@@ -1,0 +1,227 @@
+"""``cr.LLM``: offline generation over a model directory.
+
+Builds the runner (load, compile, size the KV cache, capture graphs), then
+loops scheduler -> runner -> sampler until every request is done.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+
+from compile_runtime.config import CompilationConfig, parse_config
+from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
+from compile_runtime.runner.request import Request
+from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.runner.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+    logprobs: list | None = None
+    first_token_seconds: float | None = None  # from generate() start to the first token
+
+
+@dataclass
+class GenerateStats:
+    steps: int = 0
+    output_tokens: int = 0
+    seconds: float = 0.0
+    first_token_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.output_tokens / self.seconds if self.seconds else 0.0
+
+
+class LLM:
+    def __init__(
+        self,
+        model_dir: str,
+        compilation_config: CompilationConfig | dict | str | None = None,
+        *,
+        dtype: str | torch.dtype = "float32",
+        device: str | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 256,
+        max_model_len: int = 512,
+        block_size: int = 16,
+        kv_cache_bytes: int = 64 * 2**20,
+        gpu_memory_utilization: float = 0.85,
+        num_gpu_blocks_override: int | None = None,
+        use_transformers: bool = False,
+    ):
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
+            dtype = DTYPES[dtype]
+        self.compilation_config = parse_config(compilation_config)
+        runner_config = RunnerConfig(
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=block_size,
+            kv_cache_bytes=kv_cache_bytes,
+            gpu_memory_utilization=gpu_memory_utilization,
+            num_gpu_blocks_override=num_gpu_blocks_override,
+        )
+        self.runner = ModelRunner(
+            model_dir,
+            self.compilation_config,
+            runner_config,
+            dtype=dtype,
+            device=device,
+            use_transformers=use_transformers,
+        )
+        self.runner.initialize()
+        self.scheduler = Scheduler(
+            num_blocks=self.runner.num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.tokenizer = _load_tokenizer(model_dir)
+        hf_config = getattr(self.runner.model, "config", None)
+        self.eos_token_id = _eos_id(hf_config, self.tokenizer)
+        self._ids = itertools.count()
+        self.last_stats = GenerateStats()
+
+    @property
+    def workload(self):
+        return self.runner.workload
+
+    def save_workload(self, path: str) -> None:
+        """Write the step-size histogram so far (for ``compile-runtime plan-sizes``)."""
+        self.runner.workload.save(path)
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for each prompt (text or token ids); outputs in input order."""
+        token_lists = self._tokenize(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = (
+            [sampling_params] * len(token_lists)
+            if isinstance(sampling_params, SamplingParams)
+            else list(sampling_params)
+        )
+        if len(params) != len(token_lists):
+            raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
+        max_len = self.runner.config.max_model_len
+        requests = []
+        for tokens, p in zip(token_lists, params, strict=True):
+            if not tokens:
+                raise ValueError("a prompt has no tokens")
+            if len(tokens) + p.max_tokens > max_len:
+                raise ValueError(
+                    f"a prompt of {len(tokens)} tokens plus max_tokens={p.max_tokens} exceeds "
+                    f"max_model_len={max_len}"
+                )
+            req = Request(
+                req_id=str(next(self._ids)),
+                prompt_token_ids=list(tokens),
+                sampling_params=p,
+                eos_token_id=self.eos_token_id,
+            )
+            self.scheduler.add_request(req)
+            requests.append(req)
+
+        stats = GenerateStats()
+        first_token: dict[str, float] = {}
+        logprobs: dict[str, list] = {r.req_id: [] for r in requests}
+        start = time.perf_counter()
+        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
+        with torch.no_grad():
+            while self.scheduler.has_unfinished():
+                so = self.scheduler.schedule()
+                self.runner.execute_model(so)
+                out = self.runner.sample_tokens()
+                now = time.perf_counter() - start
+                for req_id, token, lp in zip(
+                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
+                ):
+                    if token is not None:
+                        stats.output_tokens += 1
+                        first_token.setdefault(req_id, now)
+                        if lp is not None and req_id in logprobs:
+                            logprobs[req_id].append(lp)
+                finished = self.scheduler.update_from_output(so, out)
+                bar.update(len(finished))
+                stats.steps += 1
+        bar.close()
+        stats.seconds = time.perf_counter() - start
+        stats.first_token_seconds = [
+            first_token[r.req_id] for r in requests if r.req_id in first_token
+        ]
+        self.last_stats = stats
+        return [
+            RequestOutput(
+                request_id=r.req_id,
+                prompt_token_ids=r.prompt_token_ids,
+                token_ids=list(r.output_token_ids),
+                text=self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None,
+                finish_reason=r.finish_reason,
+                logprobs=logprobs[r.req_id] if r.sampling_params.logprobs is not None else None,
+                first_token_seconds=first_token.get(r.req_id),
+            )
+            for r in requests
+        ]
+
+    def _tokenize(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if prompts and isinstance(prompts[0], int):
+            prompts = [prompts]
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError(
+                        "text prompts need a tokenizer in the model directory; pass token ids"
+                    )
+                out.append(self.tokenizer(p)["input_ids"])
+            else:
+                out.append([int(t) for t in p])
+        return out
+
+
+def _load_tokenizer(model_dir: str):
+    if not any(
+        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
+    ):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_id(hf_config, tokenizer) -> int | None:
+    eos = getattr(hf_config, "eos_token_id", None) if hf_config is not None else None
+    if isinstance(eos, list):
+        eos = eos[0] if eos else None
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_token_id
+    return eos

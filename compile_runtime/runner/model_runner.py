@@ -1,0 +1,334 @@
+"""The model runner: one step of the scheduler's plan through the compiled model.
+
+``execute_model`` applies the scheduler's differences to the persistent
+batch, flattens the step's tokens into persistent buffers, asks the
+dispatcher for the runtime mode and padded size, builds attention metadata
+once and runs the forward inside a forward context. ``sample_tokens`` then
+samples the last position of each request whose prompt is complete. The state
+between the two calls lives in one ``ExecuteModelState``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from compile_runtime.attention.kv_cache import (
+    allocate_kv_cache,
+    bind_kv_cache,
+    kv_cache_bytes_per_block,
+)
+from compile_runtime.attention.layer import attention_layers
+from compile_runtime.backends.attention.registry import min_cg_support
+from compile_runtime.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.config import CompilationConfig, CUDAGraphMode
+from compile_runtime.cudagraph import wrap_full_model
+from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.forward_context import set_forward_context
+from compile_runtime.models.registry import load_model
+from compile_runtime.runner.input_batch import InputBatch
+from compile_runtime.runner.sampler import Sampler
+from compile_runtime.runner.sampling_metadata import (
+    RequestSamplingState,
+    SamplingMetadata,
+)
+from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.runner.workload import WorkloadRecorder
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RunnerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 512
+    block_size: int = 16
+    # CPU: the KV cache's byte budget. CUDA: fraction of device memory to use.
+    kv_cache_bytes: int = 64 * 2**20
+    gpu_memory_utilization: float = 0.85
+    num_gpu_blocks_override: int | None = None
+
+
+@dataclass
+class ExecuteModelState:
+    """What ``execute_model`` leaves for ``sample_tokens``."""
+
+    req_ids: list[str]
+    logits: torch.Tensor  # [num requests that sample, vocab]
+    sampling_req_ids: list[str]  # requests whose prompt is complete: they get a token
+
+
+class ModelRunnerError(RuntimeError):
+    pass
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_dir: str,
+        compilation_config: CompilationConfig,
+        runner_config: RunnerConfig | None = None,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+        use_transformers: bool = False,
+    ):
+        self.config = runner_config or RunnerConfig()
+        self.compilation_config = compilation_config
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.dtype = dtype
+        start = time.perf_counter()
+        self.model = load_model(
+            model_dir,
+            compilation_config,
+            dtype=dtype,
+            device=self.device,
+            use_transformers=use_transformers,
+        )
+        self.load_seconds = time.perf_counter() - start
+        self.layers = attention_layers(self.model)
+        if not self.layers:
+            raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
+        backends = {layer.attn_backend for layer in self.layers}
+        self.resolved = compilation_config.resolve(
+            min_cg_support(backends), cuda_available=self.device.type == "cuda"
+        )
+        c = self.config
+        self.max_num_tokens = c.max_num_batched_tokens
+        self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
+        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
+        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
+        self.slot_mapping = torch.full(
+            (self.max_num_tokens,), -1, dtype=torch.long, device=self.device
+        )
+        # One builder per backend: layers of a backend share the step's metadata.
+        spec = self.layers[0].spec
+        (backend,) = backends if len(backends) == 1 else (self.layers[0].attn_backend,)
+        self.metadata_builder = backend.make_builder(
+            spec, c.block_size, c.max_num_seqs, self.device
+        )
+        self.dispatcher = CudagraphDispatcher(
+            compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
+        )
+        self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
+        self.forward_model = self.model.model if hasattr(self.model, "model") else self.model
+        if self.resolved.cudagraph_mode.has_full_cudagraphs():
+            self.forward_model = wrap_full_model(self.forward_model, compilation_config)
+        self.sampler = Sampler()
+        self.workload = WorkloadRecorder()
+        self.execute_state: ExecuteModelState | None = None
+        self.num_blocks = 0
+        self.compile_seconds = 0.0
+        self.capture_report: CaptureReport | None = None
+
+    # ---- start-up ---------------------------------------------------------
+
+    def initialize(self) -> None:
+        """Compile (first trace at the largest size), size and bind the KV cache, capture graphs."""
+        start = time.perf_counter()
+        with torch.no_grad():
+            self._dummy_forward(self.max_num_tokens)
+        self.compile_seconds = time.perf_counter() - start
+        self.num_blocks = self._num_kv_blocks()
+        caches = allocate_kv_cache(
+            self.layers,
+            self.num_blocks,
+            self.config.block_size,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        bind_kv_cache(self.layers, caches)
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens)",
+            self.num_blocks,
+            self.config.block_size,
+            (self.num_blocks - 1) * self.config.block_size,
+        )
+        if self.dispatcher.capture_descriptors():
+            with torch.no_grad():
+                self.capture_report = capture(
+                    self.forward_model, self._capture_inputs, self.dispatcher
+                )
+
+    def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
+        """A forward without metadata: attention runs dense over the tokens, no cache."""
+        with set_forward_context(None, num_tokens=num_tokens):
+            return self.forward_model(self.input_ids[:num_tokens], self.positions[:num_tokens])
+
+    def _num_kv_blocks(self) -> int:
+        c = self.config
+        if c.num_gpu_blocks_override is not None:
+            return c.num_gpu_blocks_override
+        per_block = kv_cache_bytes_per_block(self.layers, c.block_size, self.dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            free, total = torch.cuda.mem_get_info()
+            peak = torch.cuda.max_memory_allocated()
+            used_by_others = total - free - torch.cuda.memory_allocated()
+            # Graph pool estimate: the activations of the largest captured size.
+            graph_pool = peak - torch.cuda.memory_allocated()
+            budget = int(total * c.gpu_memory_utilization) - peak - used_by_others - graph_pool
+        else:
+            budget = c.kv_cache_bytes
+        num_blocks = budget // per_block
+        needed = -(-c.max_model_len // c.block_size) + 1
+        if num_blocks < needed:
+            raise ModelRunnerError(
+                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} blocks of "
+                f"{c.block_size} tokens; one request of max_model_len={c.max_model_len} needs "
+                f"{needed}. Raise kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+            )
+        return int(num_blocks)
+
+    def _capture_inputs(self, descriptor) -> CaptureInputs:
+        """Inputs of a capture: a batch of ``num_reqs`` requests with one cached block each."""
+        n = descriptor.num_tokens
+        num_reqs = min(descriptor.num_reqs or 1, self.config.max_num_seqs, n)
+        query_lens = np.full(num_reqs, n // num_reqs, dtype=np.int32)
+        query_lens[-1] += n - int(query_lens.sum())
+        qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
+        qsl[1:] = torch.from_numpy(np.cumsum(query_lens))
+        seq_lens = torch.from_numpy(query_lens.copy())
+        block_table = torch.ones(
+            (num_reqs, self.input_batch.block_table.max_blocks_per_req),
+            dtype=torch.int32,
+            device=self.device,
+        )
+        self.slot_mapping[:n].fill_(-1)
+        metadata = self.metadata_builder.build(
+            qsl,
+            seq_lens,
+            block_table,
+            self.slot_mapping[:n],
+            n,
+            num_padded_tokens=n,
+            for_cudagraph=True,
+        )
+        return CaptureInputs(args=(self.input_ids[:n], self.positions[:n]), attn_metadata=metadata)
+
+    # ---- one step ---------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        batch = self.input_batch
+        for req_id in so.finished_req_ids:
+            batch.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            batch.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks, computed in zip(
+            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
+        ):
+            row = batch.requests[req_id].row
+            batch.block_table.append_row(row, blocks)
+            batch.num_computed_tokens[row] = computed
+
+    def execute_model(self, so: SchedulerOutput) -> None:
+        if self.execute_state is not None:
+            raise ModelRunnerError(
+                "execute_model() called twice without sample_tokens(); call sample_tokens() "
+                "after every execute_model()"
+            )
+        self._update_states(so)
+        req_ids = list(so.num_scheduled_tokens)
+        if not req_ids:
+            self.execute_state = ExecuteModelState([], torch.empty(0), [])
+            return
+        batch = self.input_batch
+        rows = batch.rows(req_ids)
+        num_sched = np.fromiter(
+            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
+        )
+        total = int(num_sched.sum())
+        if total > self.max_num_tokens:
+            raise ModelRunnerError(
+                f"{total} tokens scheduled in one step; max_num_batched_tokens is "
+                f"{self.max_num_tokens}"
+            )
+        cu = np.cumsum(num_sched)
+        req_index = np.repeat(np.arange(len(req_ids)), num_sched)
+        offsets = np.arange(total) - np.repeat(cu - num_sched, num_sched)
+        computed = batch.num_computed_tokens[rows].astype(np.int64)
+        positions = computed[req_index] + offsets
+        token_rows = rows[req_index]
+        token_ids = batch.token_ids[token_rows, positions]
+        slots = batch.block_table.slot_mapping(token_rows, positions)
+        seq_lens = computed + num_sched
+        uniform_decode = bool((num_sched == 1).all())
+        self.workload.record(total, uniform_decode)
+
+        mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
+        padded = descriptor.num_tokens
+        self.input_ids[:total].copy_(torch.from_numpy(token_ids))
+        self.positions[:total].copy_(torch.from_numpy(positions))
+        self.slot_mapping[:total].copy_(torch.from_numpy(slots))
+        if padded > total:
+            self.input_ids[total:padded].zero_()
+            self.positions[total:padded].zero_()
+
+        qsl = torch.zeros(len(req_ids) + 1, dtype=torch.int32)
+        qsl[1:] = torch.from_numpy(cu)
+        metadata = self.metadata_builder.build(
+            qsl,
+            torch.from_numpy(seq_lens.astype(np.int32)),
+            batch.block_table.commit(rows),
+            self.slot_mapping[:padded],
+            total,
+            num_padded_tokens=padded,
+            for_cudagraph=mode == CUDAGraphMode.FULL,
+        )
+        with set_forward_context(
+            metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+        ):
+            hidden = self.forward_model(self.input_ids[:padded], self.positions[:padded])
+
+        # Only requests whose whole known sequence is now computed get a token.
+        done = seq_lens >= batch.num_tokens[rows]
+        sampling_idx = np.nonzero(done)[0]
+        logits_idx = torch.from_numpy(cu[sampling_idx] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[logits_idx])
+        for req_id, n in zip(req_ids, seq_lens, strict=True):
+            batch.num_computed_tokens[batch.requests[req_id].row] = n
+        self.execute_state = ExecuteModelState(
+            req_ids=req_ids,
+            logits=logits,
+            sampling_req_ids=[req_ids[i] for i in sampling_idx],
+        )
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        state = self.execute_state
+        if state is None:
+            raise ModelRunnerError("sample_tokens() needs a preceding execute_model()")
+        self.execute_state = None
+        output = ModelRunnerOutput(req_ids=list(state.req_ids))
+        sampled: dict[str, tuple[int, object]] = {}
+        if state.sampling_req_ids:
+            states = [self.input_batch.requests[r] for r in state.sampling_req_ids]
+            metadata = SamplingMetadata.from_requests(
+                [
+                    RequestSamplingState(
+                        params=s.sampling_params,
+                        prompt_token_ids=s.prompt_token_ids,
+                        output_token_ids=s.output_token_ids,
+                        eos_token_id=s.eos_token_id,
+                        generator=s.generator,
+                    )
+                    for s in states
+                ],
+                vocab_size=state.logits.shape[-1],
+                device=state.logits.device,
+            )
+            result = self.sampler(state.logits, metadata)
+            for i, req_id in enumerate(state.sampling_req_ids):
+                token = int(result.token_ids[i])
+                self.input_batch.append_token(req_id, token)
+                sampled[req_id] = (token, result.logprobs[i])
+        for req_id in state.req_ids:
+            token, logprobs = sampled.get(req_id, (None, None))
+            output.sampled_token_ids.append(token)
+            output.logprobs.append(logprobs)
+        return output
