@@ -1,0 +1,279 @@
+"""Continuous batching over a paged KV cache.
+
+Each step has a token budget (max_num_batched_tokens). Running requests are
+served first, oldest first: a decode costs one token, a prompt still being
+prefilled takes what is left of it (up to the budget). Then waiting requests
+join in FIFO order while there is budget and room for another sequence; a
+long prompt is cut to the remaining budget and finished over later steps
+(chunked prefill).
+
+When the cache runs out of blocks for a running request, the most recently
+arrived running request is preempted: its blocks go back to the pool, its
+progress is forgotten, and it waits at the front of the queue. When it runs
+again its prompt and the tokens it had generated are recomputed as one
+prompt. Older requests therefore always make progress, and a request that
+fits in the cache on its own always finishes.
+
+Protocol per step: ``out = schedule()``, the runner executes ``out``, then
+``update_from_output(out, runner_output)``. The runner must drop the state
+of ``out.finished_req_ids`` before adding ``out.scheduled_new_reqs``: a
+request preempted during this schedule() is listed there and may come back
+as new in a later step.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+
+from compile_runtime.runner.block_pool import BlockPool
+from compile_runtime.runner.request import Request, RequestStatus
+from compile_runtime.runner.scheduler_output import (
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if long_prefill_token_threshold is not None:
+            if long_prefill_token_threshold < 1:
+                raise ValueError(
+                    f"long_prefill_token_threshold must be at least 1 or None, "
+                    f"got {long_prefill_token_threshold}"
+                )
+            if not enable_chunked_prefill:
+                raise ValueError(
+                    "long_prefill_token_threshold cuts prompts into chunks; it needs "
+                    "enable_chunked_prefill=True"
+                )
+        self.block_pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.long_prefill_token_threshold = long_prefill_token_threshold
+
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        # Kept sorted by arrival_index, so the tail is always the preemption victim.
+        self.running: list[Request] = []
+        self._finished_req_ids: set[str] = set()
+        self._next_arrival = 0
+        self.num_preemptions = 0
+
+    # ------------------------------------------------------------------ intake
+
+    def add_request(self, request: Request) -> None:
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
+        if not request.prompt_token_ids:
+            raise ValueError(f"request {request.req_id!r} has an empty prompt")
+        max_tokens = request.sampling_params.max_tokens
+        total = len(request.prompt_token_ids) + max_tokens
+        blocks_needed = _cdiv(total, self.block_size)
+        if blocks_needed > self.block_pool.num_usable:
+            raise ValueError(
+                f"request {request.req_id!r} can never fit in the KV cache: prompt "
+                f"{len(request.prompt_token_ids)} + max_tokens {max_tokens} = {total} tokens "
+                f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
+                f"{self.block_pool.num_usable} usable blocks (num_blocks="
+                f"{self.block_pool.num_blocks}, block 0 reserved); lower max_tokens, shorten "
+                f"the prompt or give the cache more blocks"
+            )
+        if not self.enable_chunked_prefill and total > self.max_num_batched_tokens:
+            # After a preemption, prompt + outputs must be prefilled in one step.
+            raise ValueError(
+                f"request {request.req_id!r}: prompt {len(request.prompt_token_ids)} + "
+                f"max_tokens {max_tokens} = {total} tokens exceeds max_num_batched_tokens="
+                f"{self.max_num_batched_tokens} with chunked prefill disabled; enable "
+                f"chunked prefill or raise max_num_batched_tokens"
+            )
+        request.arrival_index = self._next_arrival
+        self._next_arrival += 1
+        request.status = RequestStatus.WAITING
+        self.requests[request.req_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---------------------------------------------------------------- schedule
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
+        self._finished_req_ids = set()
+        budget = self.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(self._num_tokens_to_compute(req), budget)
+            new_blocks = self._allocate_or_preempt(req, num_new, out)
+            if new_blocks is None:  # req was the newest left and preempted itself
+                break
+            out.scheduled_cached_reqs.req_ids.append(req.req_id)
+            out.scheduled_cached_reqs.new_block_ids.append(new_blocks)
+            out.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+            i += 1
+        preempted_any = self.num_preemptions > preemptions_before
+
+        # Under memory pressure nobody new joins this step.
+        while (
+            not preempted_any
+            and self.waiting
+            and len(self.running) < self.max_num_seqs
+            and budget > 0
+        ):
+            req = self.waiting[0]
+            num_new = self._num_tokens_to_compute(req)
+            if not self.enable_chunked_prefill and num_new > budget:
+                break  # FIFO: wait for a step with room rather than letting others pass
+            num_new = min(num_new, budget)
+            blocks = self.block_pool.allocate(_cdiv(num_new, self.block_size))
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            req.block_ids = blocks
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+            out.scheduled_new_reqs.append(
+                NewRequestData(
+                    req_id=req.req_id,
+                    prompt_token_ids=req.all_token_ids,
+                    sampling_params=req.sampling_params,
+                    block_ids=list(blocks),
+                    num_computed_tokens=req.num_computed_tokens,
+                    output_token_ids=list(req.output_token_ids),
+                    eos_token_id=req.eos_token_id,
+                )
+            )
+            out.num_scheduled_tokens[req.req_id] = num_new
+            budget -= num_new
+        return out
+
+    def _num_tokens_to_compute(self, req: Request) -> int:
+        """1 for a decode; the rest of the prompt (maybe capped) while prefilling."""
+        n = req.num_tokens - req.num_computed_tokens
+        if self.long_prefill_token_threshold is not None:
+            n = min(n, self.long_prefill_token_threshold)
+        return n
+
+    def _allocate_or_preempt(
+        self, req: Request, num_new: int, out: SchedulerOutput
+    ) -> list[int] | None:
+        """Blocks added to req for num_new more tokens, preempting newer requests
+        until they fit. None when req itself had to be preempted."""
+        needed = _cdiv(req.num_computed_tokens + num_new, self.block_size) - len(req.block_ids)
+        while True:
+            blocks = self.block_pool.allocate(max(needed, 0))
+            if blocks is not None:
+                req.block_ids.extend(blocks)
+                return blocks
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return None
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.block_pool.free(req.block_ids)
+        logger.debug(
+            "preempting %s (%d tokens computed, %d blocks freed)",
+            req.req_id,
+            req.num_computed_tokens,
+            len(req.block_ids),
+        )
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.finished_req_ids.add(req.req_id)
+
+    # ------------------------------------------------------------------ update
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[Request]:
+        """Advance every scheduled request; return those that finished this step."""
+        sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        # Validate before touching any state.
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests.get(req_id)
+            if req is None or req.status is not RequestStatus.RUNNING:
+                raise ValueError(f"request {req_id!r} in the scheduler output is not running")
+            completes_prompt = req.num_computed_tokens + n >= req.num_tokens
+            token = sampled.get(req_id)
+            if completes_prompt and token is None:
+                raise ValueError(
+                    f"request {req_id!r} finished its prefill this step but the runner "
+                    "returned no sampled token for it"
+                )
+            if not completes_prompt and token is not None:
+                raise ValueError(
+                    f"request {req_id!r} is mid-prefill ({req.num_computed_tokens + n} of "
+                    f"{req.num_tokens} tokens) but the runner sampled token {token} for it"
+                )
+
+        finished: list[Request] = []
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens += n
+            token = sampled.get(req_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            if status is not None:
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    @staticmethod
+    def _check_stop(req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        num_out = len(req.output_token_ids)
+        if num_out >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if num_out >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self.running.remove(req)
+        self.block_pool.free(req.block_ids)
+        req.block_ids = []
+        del self.requests[req.req_id]
+        self._finished_req_ids.add(req.req_id)
