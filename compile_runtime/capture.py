@@ -7,6 +7,7 @@ known before the KV cache is sized.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import time
@@ -84,16 +85,22 @@ def capture(
     with set_forward_context(inputs.attn_metadata, num_tokens=largest.num_tokens):
         model(*inputs.args, **inputs.kwargs)
 
+    stream_ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         free_before = torch.cuda.mem_get_info()[0]
+        # One side stream for warm-ups, eager pieces and captures alike (the
+        # default stream cannot capture).
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        stream_ctx = torch.cuda.stream(stream)
     # Objects alive now stay alive: freezing them keeps the collector from
     # walking them during every capture.
     gc.collect()
     gc.freeze()
     try:
-        with cudagraph_capturing_enabled():
+        with cudagraph_capturing_enabled(), stream_ctx:
             for mode, descriptor in tqdm(
                 descriptors, desc="Capturing CUDA graphs", unit="graph", disable=not progress
             ):

@@ -73,7 +73,13 @@ class TorchCUDAGraph:
         self.graph = torch.cuda.CUDAGraph()
 
     def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
-        with torch.cuda.graph(self.graph, pool=pool):
+        # Capture on the current stream (start-up capture sets a side stream) so
+        # warm-ups, eager pieces and captures are ordered; the default stream
+        # cannot capture, so there torch picks a side stream.
+        stream = torch.cuda.current_stream()
+        if stream == torch.cuda.default_stream():
+            stream = None
+        with torch.cuda.graph(self.graph, pool=pool, stream=stream):
             return fn()
 
     def replay(self) -> None:
