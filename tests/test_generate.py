@@ -104,3 +104,32 @@ def test_runner_rejects_double_execute(model_dirs):
     with pytest.raises(ModelRunnerError, match="without sample_tokens"):
         llm.runner.execute_model(SchedulerOutput())
     assert llm.runner.sample_tokens().req_ids == []
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "olmo2"])
+def test_transformers_adapter_matches_transformers(model_dirs, arch):
+    """olmo2 has no native implementation here: it runs through the adapter only."""
+    model_dir = model_dirs(arch)
+    before = cr.compilation_counter.clone()
+    llm = LLM(
+        model_dir,
+        {"backend": "eager"},
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        use_transformers=True,
+    )
+    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
+    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
+    layers = llm.runner.model.config.num_hidden_layers
+    assert cr.compilation_counter.num_graphs_seen - before.num_graphs_seen == 1
+    assert (
+        cr.compilation_counter.num_piecewise_graphs_seen - before.num_piecewise_graphs_seen
+        == 2 * layers + 1
+    )
+
+
+def test_unknown_architecture_goes_through_adapter_by_default(model_dirs):
+    from compile_runtime.models.transformers_adapter import TransformersCausalLM
+
+    llm = LLM(model_dirs("olmo2"), {"mode": "NONE"}, max_num_seqs=2, max_num_batched_tokens=32)
+    assert isinstance(llm.runner.model, TransformersCausalLM)
