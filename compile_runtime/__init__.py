@@ -22,6 +22,22 @@ from compile_runtime.forward_context import (
 
 __version__ = "0.1.0"
 
+# Generation pulls in transformers and the model code: imported on first use.
+_LAZY = {
+    "LLM": "compile_runtime.runner.llm",
+    "RequestOutput": "compile_runtime.runner.llm",
+    "SamplingParams": "compile_runtime.runner.sampling_params",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'compile_runtime' has no attribute {name!r}")
+
+
 __all__ = [
     "AttentionCGSupport",
     "CompilationConfig",
@@ -39,5 +55,8 @@ __all__ = [
     "ignore_compile",
     "get_compilation_config",
     "set_compilation_config",
+    "LLM",
+    "RequestOutput",
+    "SamplingParams",
     "__version__",
 ]

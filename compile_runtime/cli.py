@@ -23,6 +23,41 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    from compile_runtime.runner.llm import LLM
+    from compile_runtime.runner.sampling_params import SamplingParams
+
+    llm = LLM(
+        args.model,
+        parse_config(args.compilation_config),
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        use_transformers=args.use_transformers,
+    )
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    )
+    outputs = llm.generate(args.prompt, params)
+    for prompt, out in zip(args.prompt, outputs, strict=True):
+        text = out.text if out.text is not None else out.token_ids
+        print(f"{prompt!r} -> {text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+    stats = llm.last_stats
+    print(
+        f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} "
+        f"tok/s), {stats.steps} steps; compile {llm.runner.compile_seconds:.2f} s"
+    )
+    if args.record_workload:
+        llm.save_workload(args.record_workload)
+        print(f"# workload histogram written to {args.record_workload}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from compile_runtime import __version__
 
@@ -41,6 +76,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="minimum AttentionCGSupport of the attention backends to resolve against",
     )
     show.set_defaults(func=_config_show)
+
+    gen = sub.add_parser("generate", help="generate text from a model directory")
+    gen.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
+    gen.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    gen.add_argument("--max-num-seqs", type=int, default=16)
+    gen.add_argument("--max-num-batched-tokens", type=int, default=256)
+    gen.add_argument("--use-transformers", action="store_true", help="run through the adapter")
+    gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
+    gen.set_defaults(func=_generate)
     return parser
 
 
@@ -49,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValidationError, ValueError) as e:
+    except (ValidationError, ValueError, FileNotFoundError) as e:
         parser.exit(2, f"compile-runtime: error: {e}\n")
 
 
