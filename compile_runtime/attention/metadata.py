@@ -2,17 +2,19 @@
 
 The runner builds metadata once per step (outside any graph) and passes it
 through ``set_forward_context``; every attention layer of the step reads the
-same object. Device tensors the kernels read live in buffers the builder owns
-(``query_start_loc``, ``seq_lens``) or the runner owns (``block_table``,
-``slot_mapping``), so a CUDA graph captured on one step reads the next step's
-values from the same addresses.
+same object. The builder copies ``query_start_loc``, ``seq_lens`` and
+``block_table`` into device buffers it owns, so a CUDA graph captured on one
+step reads the next step's values from the same addresses whatever tensors
+the runner passes. ``slot_mapping`` is used as given: pass a view of a
+persistent buffer.
 
 Padding. A graph runs at a padded token count. Tokens past
 ``num_actual_tokens`` are padding: their slot is -1 (their key/value land in
-the null block) and their output rows are zero or garbage, never read. For
-FULL graphs the request count may be padded too (``num_reqs_padded``): padded
-requests have no query tokens and ``seq_len`` 0, so kernel arguments are
-identical on every replay of one captured size.
+the null block) and their output rows are zero or garbage, never read. The
+request count is padded too (``num_reqs_padded``; for FULL graphs by default
+to ``min(num_padded_tokens, max_num_reqs)``): padded requests have no query
+tokens and ``seq_len`` 0, so kernel arguments are identical on every replay
+of one captured size.
 
 Lifetime. The device tensors of a metadata object are views of the builder's
 buffers: they hold the latest step's values, so use a metadata object before
@@ -43,7 +45,7 @@ class AttentionMetadata:
     # cached tokens (this step's included), the last query token being the last.
     query_start_loc: torch.Tensor  # [num_reqs_padded + 1]
     seq_lens: torch.Tensor  # [num_reqs_padded]
-    block_table: torch.Tensor  # [>= num_reqs, max_blocks_per_req], physical block ids
+    block_table: torch.Tensor  # [num_reqs_padded, max_blocks_per_req], physical block ids
     slot_mapping: torch.Tensor  # [>= num_actual_tokens] int64, -1 = padding
     # Host copies of the real requests' values, for backends that plan on the CPU.
     query_start_loc_cpu: torch.Tensor  # [num_reqs + 1]
@@ -87,6 +89,7 @@ class AttentionMetadataBuilder:
         self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin)
         self._query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        self._block_table: torch.Tensor | None = None  # [max_num_reqs, max_blocks], lazily
 
     def build(
         self,
@@ -103,16 +106,22 @@ class AttentionMetadataBuilder:
         """Metadata of one step.
 
         ``query_start_loc_cpu`` [num_reqs + 1] and ``seq_lens_cpu`` [num_reqs]
-        are host tensors; ``block_table`` and ``slot_mapping`` live on the
-        device. Entries of ``slot_mapping`` past ``num_actual_tokens`` are set
+        are host tensors; ``slot_mapping`` lives on the device and
+        ``block_table`` [>= num_reqs, max_blocks_per_req] on either. Entries of ``slot_mapping`` past ``num_actual_tokens`` are set
         to -1 here, so padded tokens never write into a request's blocks.
         ``num_padded_tokens`` is the token count the forward runs at (defaults
         to ``num_actual_tokens``). ``for_cudagraph`` says the step runs inside
-        a FULL CUDA graph (capture or replay), for backends that then need
-        fixed-address resources per padded size.
+        a FULL CUDA graph (capture or replay): requests are then padded to a
+        count fixed by the padded size, and backends use fixed-address
+        resources per size.
         """
         num_reqs = seq_lens_cpu.shape[0]
-        padded = num_reqs if num_reqs_padded is None else num_reqs_padded
+        num_padded_tokens = num_padded_tokens or num_actual_tokens
+        padded = num_reqs_padded
+        if padded is None:
+            padded = num_reqs
+            if for_cudagraph:
+                padded = max(num_reqs, min(num_padded_tokens, self.max_num_reqs))
         self._validate(query_start_loc_cpu, seq_lens_cpu, block_table, num_actual_tokens, padded)
 
         qsl_cpu = self._query_start_loc_cpu[: padded + 1]
@@ -125,6 +134,8 @@ class AttentionMetadataBuilder:
         seq_lens = self._seq_lens[:padded]
         query_start_loc.copy_(qsl_cpu, non_blocking=True)
         seq_lens.copy_(lens_cpu, non_blocking=True)
+        table = self._block_table_buffer(block_table.shape[1])[:padded]
+        table[:num_reqs].copy_(block_table[:num_reqs], non_blocking=True)
 
         if slot_mapping.shape[0] > num_actual_tokens:
             slot_mapping[num_actual_tokens:].fill_(PADDING_SLOT)
@@ -139,13 +150,21 @@ class AttentionMetadataBuilder:
             block_size=self.block_size,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
-            block_table=block_table.to(self.device, non_blocking=True),
+            block_table=table,
             slot_mapping=slot_mapping.to(self.device, non_blocking=True),
             query_start_loc_cpu=qsl_cpu[: num_reqs + 1].clone(),
             seq_lens_cpu=lens_cpu[:num_reqs].clone(),
         )
-        self._finish(metadata, num_padded_tokens or num_actual_tokens, for_cudagraph)
+        self._finish(metadata, num_padded_tokens, for_cudagraph)
         return metadata
+
+    def _block_table_buffer(self, max_blocks: int) -> torch.Tensor:
+        if self._block_table is None or self._block_table.shape[1] != max_blocks:
+            # Rows past a step's requests are never read (their seq_len is 0).
+            self._block_table = torch.zeros(
+                (self.max_num_reqs, max_blocks), dtype=torch.int32, device=self.device
+            )
+        return self._block_table
 
     def _finish(
         self, metadata: AttentionMetadata, num_padded_tokens: int, for_cudagraph: bool
