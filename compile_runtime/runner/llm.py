@@ -44,6 +44,8 @@ class GenerateStats:
     output_tokens: int = 0
     seconds: float = 0.0
     first_token_seconds: list[float] = field(default_factory=list)
+    # Wall time of each step in which every scheduled request decoded one token.
+    decode_step_seconds: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -156,10 +158,15 @@ class LLM:
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
         with torch.no_grad():
             while self.scheduler.has_unfinished():
+                step_start = time.perf_counter()
                 so = self.scheduler.schedule()
                 self.runner.execute_model(so)
                 out = self.runner.sample_tokens()
                 now = time.perf_counter() - start
+                if so.num_scheduled_tokens and all(
+                    n == 1 for n in so.num_scheduled_tokens.values()
+                ):
+                    stats.decode_step_seconds.append(time.perf_counter() - step_start)
                 for req_id, token, lp in zip(
                     out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
                 ):
