@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from compile_runtime.attention import Attention
 from compile_runtime.config import (
     AttentionCGSupport,
     CompilationConfig,
@@ -39,6 +40,7 @@ def __getattr__(name: str):
 
 
 __all__ = [
+    "Attention",
     "AttentionCGSupport",
     "CompilationConfig",
     "CompilationMode",

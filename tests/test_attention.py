@@ -4,6 +4,8 @@ through the compiler, the KV cache helpers, and backend selection."""
 from __future__ import annotations
 
 import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -454,3 +456,21 @@ def test_min_cg_support_drives_config_resolution():
     assert resolved(TritonBackend) == cr.CUDAGraphMode.FULL
     assert resolved(FlashInferBackend) == cr.CUDAGraphMode.FULL_AND_PIECEWISE
     assert resolved(TorchNativeBackend) == cr.CUDAGraphMode.PIECEWISE
+
+
+def test_attention_benchmark_smoke(tmp_path, monkeypatch):
+    """benchmarks/attention.py runs end to end on CPU (eager torch_native; the rest say why not)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("attention_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "attention.json"
+    argv = ["--device", "cpu", "--dtype", "float32", "--batch-sizes", "2", "--context", "40"]
+    argv += ["--num-heads", "4", "--num-kv-heads", "2", "--head-size", "64", "--iters", "2"]
+    records = bench.main(argv + ["--warmup", "1", "--out", str(out)])
+    by_key = {(r["backend"], r.get("mode")): r for r in records}
+    assert by_key[("torch_native", "eager")]["ms"] > 0
+    assert "CUDA" in by_key[("torch_native", "graph")]["skipped"]
+    assert "TRITON_INTERPRET" in by_key[("triton", None)]["skipped"]
+    assert json.loads(out.read_text())["results"] == records
