@@ -20,7 +20,10 @@ import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from compile_runtime.attention_op import default_splitting_ops
-from compile_runtime.backends.compiler import CompiledPiece, make_adaptor
+from compile_runtime.backends.compiler import make_adaptor
+from compile_runtime.cache.entry import CacheEntry, open_entry
+from compile_runtime.cache.key import key_factors, source_digests
+from compile_runtime.cache.location import cache_root
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counter import compilation_counter
 from compile_runtime.cudagraph import wrap_piece
@@ -87,6 +90,8 @@ class CompilerBackend:
         self.split_gm: torch.fx.GraphModule | None = None
         self.result = CompileResult()
         self.runtimes: list[PiecewiseRuntime] = []
+        self.cache: CacheEntry | None = None
+        self.key_factors: dict[str, Any] | None = None
 
     @property
     def splitting_ops(self) -> list[str]:
@@ -99,6 +104,11 @@ class CompilerBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         compilation_counter.num_graphs_seen += 1
         start = time.perf_counter()
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fake_args = [
+            fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
+        ]
+        self.cache = self._open_cache(gm, fake_args)
         gm = self.pass_manager(gm)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
         compilation_counter.num_piecewise_graphs_seen += len(pieces)
@@ -106,10 +116,6 @@ class CompilerBackend:
             not p.is_splitting_op for p in pieces
         )
 
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
-        fake_args = [
-            fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
-        ]
         compiler = _PieceCompiler(split_gm, pieces, self)
         with fake_mode:
             compiler.run(*fake_args)
@@ -145,20 +151,67 @@ class CompilerBackend:
             self.result.seconds,
         )
         if self.config.debug_dump_path:
-            self._dump(split_gm)
+            os.makedirs(self.config.debug_dump_path, exist_ok=True)
+            with open(os.path.join(self.config.debug_dump_path, "computation_graph.py"), "w") as f:
+                f.write(self._readable_graph(split_gm))
+        if self.cache is not None:
+            self.cache.commit(self._cache_summary(), self._readable_graph(split_gm))
+            logger.info(
+                "compile cache %s: %d pieces loaded, %d compiled (%s)",
+                self.cache.key,
+                self.cache.num_loaded,
+                self.cache.num_compiled,
+                self.cache.dir,
+            )
         return split_gm
 
-    def _dump(self, split_gm: torch.fx.GraphModule) -> None:
-        os.makedirs(self.config.debug_dump_path, exist_ok=True)
+    def _open_cache(self, gm: torch.fx.GraphModule, fake_args: list[Any]) -> CacheEntry | None:
+        if self.config.disable_cache or not self.adaptor.can_save:
+            return None
+        context = torch._guards.TracingContext.try_get()
+        traced = getattr(context, "traced_code", None) or []
+        rank, world_size = 0, 1
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        factors = key_factors(
+            self.config,
+            graph_hash=piece_hash(gm, fake_args),
+            sources=source_digests({code.co_filename for code in traced}),
+            pass_uuid=self.pass_manager.uuid(),
+            device=_graph_device(fake_args),
+            world_size=world_size,
+        )
+        self.key_factors = factors
+        return open_entry(
+            cache_root(self.config.cache_dir), factors, self.adaptor, self.model_tag, rank
+        )
+
+    def _cache_summary(self) -> dict[str, Any]:
+        groups: dict[str, list[int]] = {}
+        for r in self.result.pieces:
+            if not r.is_splitting_op:
+                groups.setdefault(r.piece_hash, []).append(r.index)
+        return {
+            "seconds": round(self.result.seconds, 3),
+            "num_pieces": len(self.result.pieces),
+            "shapes": ["general"] + [str(s) for s in self.config.compile_sizes],
+            "pieces": [{"hash": h, "pieces": idx} for h, idx in groups.items()],
+        }
+
+    def _readable_graph(self, split_gm: torch.fx.GraphModule) -> str:
         header = [f"# Split graph of {self.model_tag}; pieces and the compiled code they share:"]
         for r in self.result.pieces:
             kind = "splitting op" if r.is_splitting_op else f"hash {r.piece_hash}"
             shared = f", reuses piece {r.shared_with}" if r.shared_with is not None else ""
             header.append(f"#   {r.name}: {kind}{shared}")
-        path = os.path.join(self.config.debug_dump_path, "computation_graph.py")
-        with open(path, "w") as f:
-            f.write("\n".join(header) + "\n\n")
-            f.write(split_gm.print_readable(print_output=False))
+        return "\n".join(header) + "\n\n" + split_gm.print_readable(print_output=False)
+
+
+def _graph_device(fake_args: list[Any]) -> torch.device | None:
+    for value in fake_args:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return None
 
 
 class _PieceCompiler(torch.fx.Interpreter):
@@ -170,7 +223,7 @@ class _PieceCompiler(torch.fx.Interpreter):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
         self.backend = backend
-        self.compiled: dict[str, tuple[int, dict[int | None, CompiledPiece]]] = {}
+        self.compiled: dict[str, tuple[int, dict[int | None, Callable[..., Any]]]] = {}
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self.records: list[PieceRecord] = []
 
@@ -183,15 +236,14 @@ class _PieceCompiler(torch.fx.Interpreter):
             return output
 
         args_list = list(args)
-        key = piece_hash(piece.graph, args_list)
-        record.piece_hash = key
+        record.piece_hash = key = piece_hash(piece.graph, args_list)
         if not self.backend.config.dedupe_pieces:
             key = f"{key}:{piece.index}"
         if key in self.compiled:
             record.shared_with, by_size = self.compiled[key]
         else:
             start = time.perf_counter()
-            by_size = self._compile(piece, args_list)
+            by_size = self._compile(piece, args_list, record.piece_hash)
             record.compile_seconds = time.perf_counter() - start
             self.compiled[key] = (piece.index, by_size)
             logger.info(
@@ -204,25 +256,41 @@ class _PieceCompiler(torch.fx.Interpreter):
             )
         self.runtimes[target] = PiecewiseRuntime(
             index=piece.index,
-            general=by_size[None].fn,
-            exact={s: c.fn for s, c in by_size.items() if s is not None},
+            general=by_size[None],
+            exact={s: fn for s, fn in by_size.items() if s is not None},
             locator=find_size_locator(args_list),
             piece_hash=key,
         )
         return output
 
-    def _compile(self, piece: Piece, fake_args: list[Any]) -> dict[int | None, CompiledPiece]:
-        adaptor = self.backend.adaptor
-        by_size: dict[int | None, CompiledPiece] = {
-            None: adaptor.compile(piece.graph, fake_args, None)
-        }
-        compilation_counter.num_backend_compilations += 1
-        sizes = self.backend.config.compile_sizes
-        if sizes and find_size_locator(fake_args) is None:
+    def _compile(
+        self, piece: Piece, fake_args: list[Any], key: str
+    ) -> dict[int | None, Callable[..., Any]]:
+        """The piece's callables: the general one and one per compile size."""
+        sizes: list[int | None] = [None]
+        if find_size_locator(fake_args) is not None:
+            sizes += self.backend.config.compile_sizes
+        elif self.backend.config.compile_sizes:
             logger.info("piece %d has no symbolic size: compile_sizes do not apply", piece.index)
-            return by_size
-        for size in sizes:
+        return {size: self._compile_size(piece, fake_args, key, size) for size in sizes}
+
+    def _compile_size(
+        self, piece: Piece, fake_args: list[Any], key: str, size: int | None
+    ) -> Callable[..., Any]:
+        cache = self.backend.cache
+        if cache is not None:
+            loaded = cache.load(key, size)
+            if loaded is not None:
+                return loaded
+        start = time.perf_counter()
+        if size is None:
+            compiled = self.backend.adaptor.compile(piece.graph, fake_args, None)
+        else:
             with unset_fake_temporarily():
-                by_size[size] = adaptor.compile(piece.graph, concrete_inputs(fake_args, size), size)
-            compilation_counter.num_backend_compilations += 1
-        return by_size
+                inputs = concrete_inputs(fake_args, size)
+                compiled = self.backend.adaptor.compile(piece.graph, inputs, size)
+        compilation_counter.num_backend_compilations += 1
+        if cache is not None:
+            with unset_fake_temporarily():
+                cache.store(key, size, compiled, time.perf_counter() - start)
+        return compiled.fn

@@ -6,6 +6,21 @@ import torch
 from compile_runtime.tiny_models import make_model_dir
 
 
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_dir(tmp_path_factory):
+    """One compile cache per test session: tests share compiled pieces, never touch ~/.cache."""
+    import os
+
+    path = str(tmp_path_factory.mktemp("compile_cache"))
+    previous = os.environ.get("COMPILE_RUNTIME_CACHE_DIR")
+    os.environ["COMPILE_RUNTIME_CACHE_DIR"] = path
+    yield path
+    if previous is None:
+        os.environ.pop("COMPILE_RUNTIME_CACHE_DIR", None)
+    else:
+        os.environ["COMPILE_RUNTIME_CACHE_DIR"] = previous
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

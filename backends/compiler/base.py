@@ -25,9 +25,15 @@ class CompilerAdaptor(abc.ABC):
     ) -> CompiledPiece:
         """Compile ``graph``; ``runtime_shape`` None means the symbolic (general) size."""
 
-    def save(self, piece: CompiledPiece, path: str) -> None:  # noqa: B027 - optional
-        """Persist ``piece.handle`` to ``path`` (a file)."""
+    @property
+    def can_save(self) -> bool:
+        """Whether compiled pieces persist (the compile cache is a no-op otherwise)."""
+        return False
 
-    def load(self, path: str, graph: torch.fx.GraphModule) -> Callable[..., Any]:
-        """The callable saved at ``path``; ``graph`` is the piece it was compiled from."""
-        raise NotImplementedError(f"{self.name} adaptor cannot load artifacts")
+    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any]:
+        """Write ``piece`` to the file ``path``; return what ``load`` needs besides the file."""
+        raise NotImplementedError(f"the {self.name} adaptor does not save artifacts")
+
+    def load(self, path: str, meta: dict[str, Any]) -> Callable[..., Any]:
+        """The callable saved at ``path`` (``meta`` is what ``save`` returned)."""
+        raise NotImplementedError(f"the {self.name} adaptor does not load artifacts")

@@ -18,6 +18,3 @@ class EagerAdaptor(CompilerAdaptor):
     ) -> CompiledPiece:
         compilation_counter.num_eager_compiles += 1
         return CompiledPiece(fn=graph, handle=None)
-
-    def load(self, path: str, graph: torch.fx.GraphModule):
-        return graph

@@ -65,10 +65,15 @@ class InductorAdaptor(CompilerAdaptor):
         fn = _Unwrap(artifact) if single else artifact
         return CompiledPiece(fn=fn, handle=(artifact, single))
 
-    def save(self, piece: CompiledPiece, path: str) -> None:
-        artifact, _ = piece.handle
-        artifact.save(path=path, format="binary")
+    @property
+    def can_save(self) -> bool:
+        return True
 
-    def load(self, path: str, graph: torch.fx.GraphModule):
+    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any]:
+        artifact, single = piece.handle
+        artifact.save(path=path, format="binary")
+        return {"single_output": single}
+
+    def load(self, path: str, meta: dict[str, Any]):
         artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
-        return artifact if returns_tuple(graph) else _Unwrap(artifact)
+        return _Unwrap(artifact) if meta.get("single_output") else artifact

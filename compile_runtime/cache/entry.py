@@ -1,0 +1,262 @@
+"""One cache entry: the compiled pieces of one model (tag) on one rank under one key.
+
+Layout under the cache root::
+
+    <key>/key_factors.json              the readable factors the key hashes
+    <key>/artifacts/<sha256>.bin        content-addressed artifacts, shared
+    <key>/rank_<r>/<tag>/index.json     (piece hash, shape, compiler) -> artifact
+    <key>/rank_<r>/<tag>/meta.json      created, last used, hits, compile seconds
+    <key>/rank_<r>/<tag>/computation_graph.py
+    quarantine/                         entries found corrupt, moved aside
+
+Writes go to a temporary name, are flushed, then renamed, and the index is
+merged under a file lock: an entry is visible only when complete, and any
+number of processes starting together end with one good entry. Every
+artifact carries its sha256; a missing, truncated or foreign file is found
+on load, its entry moved to ``quarantine/`` with one warning, and the pieces
+compiled again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from filelock import FileLock
+
+from compile_runtime.backends.compiler import CompiledPiece, CompilerAdaptor
+from compile_runtime.counter import compilation_counter
+
+logger = logging.getLogger(__name__)
+
+INDEX = "index.json"
+META = "meta.json"
+FACTORS = "key_factors.json"
+GRAPH = "computation_graph.py"
+ARTIFACTS = "artifacts"
+QUARANTINE = "quarantine"
+LOCK = ".lock"
+
+
+def shape_name(shape: int | None) -> str:
+    return "general" if shape is None else str(shape)
+
+
+def index_key(piece_hash: str, shape: int | None, compiler: str) -> str:
+    return f"{piece_hash}/{shape_name(shape)}/{compiler}"
+
+
+def file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def write_json(path: str, obj: Any) -> None:
+    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+
+def read_json(path: str) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def verify_record(key_dir: str, record: dict[str, Any]) -> str | None:
+    """Why the artifact of ``record`` cannot be trusted, or None when it checks out."""
+    path = os.path.join(key_dir, record["artifact"])
+    if not os.path.exists(path):
+        return f"artifact {record['artifact']} is missing"
+    size = os.path.getsize(path)
+    if size != record["bytes"]:
+        return f"artifact {record['artifact']} has {size} bytes, expected {record['bytes']}"
+    if file_sha256(path) != record["sha256"]:
+        return f"artifact {record['artifact']} fails its sha256 checksum"
+    return None
+
+
+def quarantine_dir(root: str, entry_dir: str, reason: str) -> str:
+    """Move ``entry_dir`` aside under ``root/quarantine`` (never deleted) and return where."""
+    rel = os.path.relpath(entry_dir, root).replace(os.sep, "-")
+    target = os.path.join(
+        root, QUARANTINE, f"{rel}-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:6]}"
+    )
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.move(entry_dir, target)
+    with open(os.path.join(target, "REASON"), "w") as f:
+        f.write(reason + "\n")
+    return target
+
+
+class CacheEntry:
+    def __init__(
+        self,
+        root: str,
+        key: str,
+        factors: dict[str, Any],
+        adaptor: CompilerAdaptor,
+        model_tag: str,
+        rank: int = 0,
+    ):
+        self.root = root
+        self.key = key
+        self.factors = factors
+        self.adaptor = adaptor
+        self.model_tag = model_tag
+        self.key_dir = os.path.join(root, key)
+        self.dir = os.path.join(self.key_dir, f"rank_{rank}", model_tag)
+        self.index: dict[str, dict[str, Any]] = {}
+        index_path = os.path.join(self.dir, INDEX)
+        if os.path.exists(index_path):
+            try:
+                self.index = read_json(index_path)["artifacts"]
+            except (ValueError, KeyError) as e:
+                self._quarantine(f"index.json is unreadable ({e})")
+        self.new_index: dict[str, dict[str, Any]] = {}
+        self.num_loaded = 0
+        self.num_compiled = 0
+
+    @property
+    def existed(self) -> bool:
+        return bool(self.index)
+
+    def load(self, piece_hash: str, shape: int | None) -> Callable[..., Any] | None:
+        """The saved callable for this piece and shape, or None (a miss)."""
+        key = index_key(piece_hash, shape, self.adaptor.name)
+        record = self.index.get(key)
+        if record is None:
+            compilation_counter.num_cache_misses += 1
+            return None
+        problem = verify_record(self.key_dir, record)
+        fn = None
+        if problem is None:
+            try:
+                fn = self.adaptor.load(
+                    os.path.join(self.key_dir, record["artifact"]), record["meta"]
+                )
+            except Exception as e:  # a foreign or damaged file that passed the checksum
+                problem = f"artifact {record['artifact']} does not load ({type(e).__name__}: {e})"
+        if problem is not None:
+            self._quarantine(problem, bad_artifact=record["artifact"])
+            compilation_counter.num_cache_misses += 1
+            return None
+        self.new_index[key] = record
+        self.num_loaded += 1
+        compilation_counter.num_cache_hits += 1
+        compilation_counter.num_compiled_artifacts_loaded += 1
+        return fn
+
+    def store(
+        self, piece_hash: str, shape: int | None, piece: CompiledPiece, seconds: float
+    ) -> None:
+        """Save a freshly compiled piece (content-addressed, atomically)."""
+        artifacts = os.path.join(self.key_dir, ARTIFACTS)
+        os.makedirs(artifacts, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=artifacts, prefix=".tmp-")
+        os.close(fd)
+        try:
+            meta = self.adaptor.save(piece, tmp)
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            digest = file_sha256(tmp)
+            size = os.path.getsize(tmp)
+            name = os.path.join(ARTIFACTS, f"{digest}.bin")
+            os.replace(tmp, os.path.join(self.key_dir, name))
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        self.new_index[index_key(piece_hash, shape, self.adaptor.name)] = {
+            "artifact": name,
+            "sha256": digest,
+            "bytes": size,
+            "meta": meta,
+            "compile_seconds": round(seconds, 3),
+        }
+        self.num_compiled += 1
+        compilation_counter.num_compiled_artifacts_saved += 1
+
+    def commit(self, summary: dict[str, Any], graph_code: str) -> None:
+        """Publish the index, meta and readable graph (merged under the key's lock)."""
+        os.makedirs(self.dir, exist_ok=True)
+        with FileLock(os.path.join(self.key_dir, LOCK)):
+            factors_path = os.path.join(self.key_dir, FACTORS)
+            if not os.path.exists(factors_path):
+                write_json(factors_path, self.factors)
+            index_path = os.path.join(self.dir, INDEX)
+            merged = dict(self.new_index)
+            if os.path.exists(index_path):  # another process finished first: keep its records
+                try:
+                    for k, record in read_json(index_path)["artifacts"].items():
+                        if k not in merged and verify_record(self.key_dir, record) is None:
+                            merged[k] = record
+                except (ValueError, KeyError):
+                    pass
+            if merged != self.index or not os.path.exists(index_path):
+                write_json(index_path, {"version": 1, "artifacts": merged})
+            meta_path = os.path.join(self.dir, META)
+            meta = read_json(meta_path) if os.path.exists(meta_path) else {}
+            now = time.time()
+            meta.setdefault("created", now)
+            meta.setdefault("compile_seconds", summary.get("seconds", 0.0))
+            meta["last_used"] = now
+            meta["hits"] = meta.get("hits", 0) + (
+                1 if self.num_loaded and not self.num_compiled else 0
+            )
+            meta.update({k: v for k, v in summary.items() if k != "seconds"})
+            meta["model_tag"] = self.model_tag
+            write_json(meta_path, meta)
+            write_atomic(os.path.join(self.dir, GRAPH), graph_code.encode())
+
+    def _quarantine(self, reason: str, bad_artifact: str | None = None) -> None:
+        if os.path.isdir(self.dir):
+            target = quarantine_dir(self.root, self.dir, reason)
+            if bad_artifact and os.path.exists(os.path.join(self.key_dir, bad_artifact)):
+                shutil.move(
+                    os.path.join(self.key_dir, bad_artifact),
+                    os.path.join(target, os.path.basename(bad_artifact)),
+                )
+            logger.warning(
+                "compile cache entry %s is damaged: %s; moved it to %s and compiling again",
+                self.dir,
+                reason,
+                target,
+            )
+        self.index = {}
+
+
+def open_entry(
+    cache_dir: str,
+    factors: dict[str, Any],
+    adaptor: CompilerAdaptor,
+    model_tag: str,
+    rank: int = 0,
+) -> CacheEntry:
+    from compile_runtime.cache.key import compute_key
+
+    return CacheEntry(cache_dir, compute_key(factors), factors, adaptor, model_tag, rank)

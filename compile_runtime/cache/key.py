@@ -1,0 +1,115 @@
+"""The cache key: a hash of named, readable factors.
+
+Every factor that changes compiled code is here, and nothing that depends on
+where things live (home, cache path, temp dirs): source files are named by
+their module path, so a cache directory copied to another machine of the
+same kind still hits. The factors are written next to the entry
+(``key_factors.json``) so ``compile-runtime cache explain`` can say which
+one changed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import sys
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from compile_runtime.config import CompilationConfig
+
+KEY_LENGTH = 20
+
+
+def device_kind(device: torch.device | str | None = None) -> str:
+    """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>`` otherwise."""
+    device = torch.device(device) if device is not None else None
+    if (device is None or device.type == "cuda") and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:sm_{major}{minor}:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+
+
+def versions() -> dict[str, str]:
+    from compile_runtime import __version__
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "none"
+    return {"torch": torch.__version__, "triton": triton_version, "compile_runtime": __version__}
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime: float) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def portable_name(path: str) -> str:
+    """``path`` relative to the import root that holds it (``pkg/mod.py``), never absolute."""
+    path = os.path.abspath(path)
+    roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
+    for root in roots:
+        if path.startswith(root + os.sep):
+            return os.path.relpath(path, root)
+    return os.path.basename(path)
+
+
+def source_digests(filenames: Iterable[str]) -> dict[str, str]:
+    """Digest of every traced source file; torch's own files are covered by its version."""
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    out = {}
+    for name in filenames:
+        if not os.path.isfile(name) or name.startswith(torch_dir):
+            continue
+        out[portable_name(name)] = _file_digest(name, os.path.getmtime(name))
+    return dict(sorted(out.items()))
+
+
+def key_factors(
+    config: CompilationConfig,
+    *,
+    graph_hash: str,
+    sources: dict[str, str],
+    pass_uuid: str,
+    device: torch.device | str | None = None,
+    world_size: int = 1,
+) -> dict[str, Any]:
+    hashed = config.model_dump(mode="json", exclude=set(config.HASH_EXCLUDED_FIELDS))
+    return {
+        "config": hashed,
+        "graph": graph_hash,
+        "sources": sources,
+        "versions": versions(),
+        "device": device_kind(device),
+        "passes": pass_uuid,
+        "world_size": world_size,
+    }
+
+
+def compute_key(factors: dict[str, Any]) -> str:
+    blob = json.dumps(factors, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:KEY_LENGTH]
+
+
+def diff_factors(old: Any, new: Any, path: str = "") -> list[tuple[str, Any, Any]]:
+    """Every leaf where two factor trees differ: (dotted path, old value, new value)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out = []
+        for k in sorted(set(old) | set(new), key=str):
+            sub = f"{path}.{k}" if path else str(k)
+            if k not in old:
+                out.append((sub, None, new[k]))
+            elif k not in new:
+                out.append((sub, old[k], None))
+            else:
+                out.extend(diff_factors(old[k], new[k], sub))
+        return out
+    return [] if old == new else [(path, old, new)]
