@@ -3,7 +3,7 @@
 # micro-benchmark (benchmarks/gpu_latency.py). Made to fit one 10-minute
 # device call and to install nothing from the network.
 #
-#   bash scripts/gpu_check.sh            # results under $OUT (device tool) or gpu_check_out/
+#   bash scripts/gpu_check.sh            # results under $OUT (device tool) or benchmarks/results/gpu_check/
 #
 # Python packages the machine lacks (pydantic there) come from wheels in
 # wheels/ or .whl/ at the repository root, when present. Budget in seconds:
@@ -11,7 +11,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-OUT_DIR=${OUT:-$ROOT/gpu_check_out}
+OUT_DIR=${OUT:-$ROOT/benchmarks/results/gpu_check}
 mkdir -p "$OUT_DIR"
 PY=${PYTHON:-python3}
 BUDGET=${GPU_CHECK_BUDGET:-560}
