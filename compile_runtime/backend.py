@@ -8,10 +8,11 @@ are compiled once and share the result.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +80,29 @@ class CompileResult:
     seconds: float = 0.0
 
 
+_key_only: list[bool] = []
+
+
+@contextlib.contextmanager
+def key_only_tracing() -> Iterator[list[dict[str, Any]]]:
+    """Backends called inside record their cache key factors and run eager, compiling nothing.
+
+    ``compile-runtime cache explain --model`` uses it to tell whether a model
+    would hit without paying for a compile. Yields the list of factors seen.
+    """
+    seen: list[dict[str, Any]] = []
+    _key_only.append(True)
+    _key_only_seen.append(seen)
+    try:
+        yield seen
+    finally:
+        _key_only.pop()
+        _key_only_seen.pop()
+
+
+_key_only_seen: list[list[dict[str, Any]]] = []
+
+
 class CompilerBackend:
     """Callable handed to ``torch.compile(backend=...)``."""
 
@@ -108,6 +132,9 @@ class CompilerBackend:
         fake_args = [
             fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
         ]
+        if _key_only:
+            _key_only_seen[-1].append(self.compute_key_factors(gm, fake_args))
+            return gm.forward
         self.cache = self._open_cache(gm, fake_args)
         gm = self.pass_manager(gm)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
@@ -168,12 +195,18 @@ class CompilerBackend:
     def _open_cache(self, gm: torch.fx.GraphModule, fake_args: list[Any]) -> CacheEntry | None:
         if self.config.disable_cache or not self.adaptor.can_save:
             return None
+        factors = self.compute_key_factors(gm, fake_args)
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        return open_entry(
+            cache_root(self.config.cache_dir), factors, self.adaptor, self.model_tag, rank
+        )
+
+    def compute_key_factors(self, gm: torch.fx.GraphModule, fake_args: list[Any]) -> dict[str, Any]:
+        """The cache key factors of this trace (graph before passes, traced sources, ...)."""
         context = torch._guards.TracingContext.try_get()
         traced = getattr(context, "traced_code", None) or []
-        rank, world_size = 0, 1
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
-        factors = key_factors(
+        world_size = torch.distributed.get_world_size() if _distributed() else 1
+        self.key_factors = key_factors(
             self.config,
             graph_hash=piece_hash(gm, fake_args),
             sources=source_digests({code.co_filename for code in traced}),
@@ -181,10 +214,7 @@ class CompilerBackend:
             device=_graph_device(fake_args),
             world_size=world_size,
         )
-        self.key_factors = factors
-        return open_entry(
-            cache_root(self.config.cache_dir), factors, self.adaptor, self.model_tag, rank
-        )
+        return self.key_factors
 
     def _cache_summary(self) -> dict[str, Any]:
         groups: dict[str, list[int]] = {}
@@ -205,6 +235,10 @@ class CompilerBackend:
             shared = f", reuses piece {r.shared_with}" if r.shared_with is not None else ""
             header.append(f"#   {r.name}: {kind}{shared}")
         return "\n".join(header) + "\n\n" + split_gm.print_readable(print_output=False)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _graph_device(fake_args: list[Any]) -> torch.device | None:

@@ -93,12 +93,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--use-transformers", action="store_true", help="run through the adapter")
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
     gen.set_defaults(func=_generate)
+
+    from compile_runtime.cache.cli import register as register_cache
+
+    register_cache(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if hasattr(args, "prepare"):
+        args.prepare(args)
     try:
         return args.func(args)
     except (ValidationError, ValueError, FileNotFoundError) as e:

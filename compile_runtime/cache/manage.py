@@ -1,0 +1,345 @@
+"""Inspect and manage the compile cache: what ``compile-runtime cache ...`` runs.
+
+Each function returns plain data (the CLI prints it as a table or JSON).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tarfile
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from filelock import FileLock
+
+from compile_runtime.cache.entry import (
+    ARTIFACTS,
+    FACTORS,
+    GRAPH,
+    INDEX,
+    LOCK,
+    META,
+    QUARANTINE,
+    quarantine_dir,
+    read_json,
+    verify_record,
+)
+from compile_runtime.cache.key import compute_key, device_kind, diff_factors, versions
+
+
+class CacheError(ValueError):
+    """A cache command cannot do what was asked (unknown key, incompatible import, ...)."""
+
+
+@dataclass
+class EntryInfo:
+    key: str
+    rank: str
+    model_tag: str
+    path: str
+    created: float | None
+    last_used: float | None
+    hits: int
+    size_bytes: int
+    num_pieces: int  # unique compiled pieces
+    num_shapes: int
+    torch_version: str | None
+    compile_seconds: float | None
+    pieces: list[dict[str, Any]] = field(default_factory=list)
+    artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def key_dirs(root: str) -> list[str]:
+    if not os.path.isdir(root):
+        return []
+    return sorted(
+        name
+        for name in os.listdir(root)
+        if name != QUARANTINE
+        and os.path.isdir(os.path.join(root, name))
+        and not name.startswith(".")
+    )
+
+
+def iter_entries(root: str, key: str | None = None) -> Iterator[EntryInfo]:
+    for k in [key] if key else key_dirs(root):
+        key_dir = os.path.join(root, k)
+        factors_path = os.path.join(key_dir, FACTORS)
+        factors = read_json(factors_path) if os.path.exists(factors_path) else {}
+        for rank in sorted(d for d in os.listdir(key_dir) if d.startswith("rank_")):
+            for tag in sorted(os.listdir(os.path.join(key_dir, rank))):
+                path = os.path.join(key_dir, rank, tag)
+                if not os.path.exists(os.path.join(path, INDEX)):
+                    continue
+                yield _entry_info(k, rank, tag, path, key_dir, factors)
+
+
+def _entry_info(key, rank, tag, path, key_dir, factors) -> EntryInfo:
+    index = read_json(os.path.join(path, INDEX))["artifacts"]
+    meta_path = os.path.join(path, META)
+    meta = read_json(meta_path) if os.path.exists(meta_path) else {}
+    unique = {r["artifact"]: r["bytes"] for r in index.values()}
+    return EntryInfo(
+        key=key,
+        rank=rank,
+        model_tag=tag,
+        path=path,
+        created=meta.get("created"),
+        last_used=meta.get("last_used"),
+        hits=meta.get("hits", 0),
+        size_bytes=sum(unique.values()),
+        num_pieces=len({k.split("/")[0] for k in index}),
+        num_shapes=len({k.split("/")[1] for k in index}),
+        torch_version=factors.get("versions", {}).get("torch"),
+        compile_seconds=meta.get("compile_seconds"),
+        pieces=meta.get("pieces", []),
+        artifacts=index,
+    )
+
+
+def resolve_key(root: str, key: str) -> str:
+    """A full key from a unique prefix."""
+    matches = [k for k in key_dirs(root) if k.startswith(key)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise CacheError(
+            f"no cache entry with key {key!r} in {root}; see `compile-runtime cache list`"
+        )
+    raise CacheError(f"key prefix {key!r} is ambiguous: {matches}")
+
+
+def list_entries(root: str) -> list[EntryInfo]:
+    return list(iter_entries(root))
+
+
+def show(root: str, key: str) -> dict[str, Any]:
+    key = resolve_key(root, key)
+    key_dir = os.path.join(root, key)
+    return {
+        "key": key,
+        "path": key_dir,
+        "factors": read_json(os.path.join(key_dir, FACTORS)),
+        "entries": [
+            {**e.to_json(), "graph": os.path.join(e.path, GRAPH)} for e in iter_entries(root, key)
+        ],
+    }
+
+
+def explain(old_factors: dict[str, Any], new_factors: dict[str, Any]) -> list[tuple[str, Any, Any]]:
+    return diff_factors(old_factors, new_factors)
+
+
+def factors_of(root: str, key: str) -> dict[str, Any]:
+    return read_json(os.path.join(root, resolve_key(root, key), FACTORS))
+
+
+def closest_entry(
+    root: str, factors: dict[str, Any]
+) -> tuple[str | None, list[tuple[str, Any, Any]]]:
+    """The stored key whose factors differ least from ``factors`` (and the differences)."""
+    best: tuple[str | None, list] = (None, [])
+    for key in key_dirs(root):
+        path = os.path.join(root, key, FACTORS)
+        if not os.path.exists(path):
+            continue
+        diff = diff_factors(read_json(path), factors)
+        if best[0] is None or len(diff) < len(best[1]):
+            best = (key, diff)
+    return best
+
+
+def verify(root: str, key: str | None = None, fix: bool = False) -> list[dict[str, Any]]:
+    """Every entry's problems (missing/corrupt artifacts); ``fix`` quarantines bad entries."""
+    keys = [resolve_key(root, key)] if key else key_dirs(root)
+    report = []
+    for k in keys:
+        key_dir = os.path.join(root, k)
+        problems_by_entry = []
+        if not os.path.exists(os.path.join(key_dir, FACTORS)):
+            problems_by_entry.append((key_dir, ["key_factors.json is missing"]))
+        for info in iter_entries(root, k):
+            problems = [p for r in info.artifacts.values() if (p := verify_record(key_dir, r))]
+            problems_by_entry.append((info.path, sorted(set(problems))))
+        for path, problems in problems_by_entry:
+            row = {"key": k, "path": path, "ok": not problems, "problems": problems}
+            if problems and fix and path != key_dir:
+                with FileLock(os.path.join(key_dir, LOCK)):
+                    row["quarantined_to"] = quarantine_dir(root, path, "; ".join(problems))
+            report.append(row)
+    return report
+
+
+def _remove_key(root: str, key: str) -> int:
+    key_dir = os.path.join(root, key)
+    size = _dir_size(key_dir)
+    with FileLock(os.path.join(root, f".{key}.lock")):
+        staging = os.path.join(root, f".removing-{key}-{os.getpid()}")
+        os.replace(key_dir, staging)  # invisible at once, then deleted
+        shutil.rmtree(staging)
+    lock = os.path.join(root, f".{key}.lock")
+    if os.path.exists(lock):
+        os.unlink(lock)
+    return size
+
+
+def _dir_size(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def clear(root: str, key: str | None = None) -> list[str]:
+    keys = [resolve_key(root, key)] if key else key_dirs(root)
+    for k in keys:
+        _remove_key(root, k)
+    return keys
+
+
+def _last_used(root: str, key: str) -> float:
+    times = [e.last_used or e.created or 0.0 for e in iter_entries(root, key)]
+    return max(times, default=os.path.getmtime(os.path.join(root, key)))
+
+
+def prune(root: str, max_size: int | None = None, older_than: float | None = None) -> list[str]:
+    """Remove entries not used for ``older_than`` seconds, then least recently used first
+    until the cache is at most ``max_size`` bytes."""
+    if max_size is None and older_than is None:
+        raise CacheError("prune needs --max-size and/or --older-than")
+    keys = sorted(key_dirs(root), key=lambda k: _last_used(root, k))
+    removed = []
+    now = time.time()
+    if older_than is not None:
+        for k in list(keys):
+            if now - _last_used(root, k) > older_than:
+                _remove_key(root, k)
+                removed.append(k)
+                keys.remove(k)
+    if max_size is not None:
+        sizes = {k: _dir_size(os.path.join(root, k)) for k in keys}
+        total = sum(sizes.values())
+        for k in keys:
+            if total <= max_size:
+                break
+            _remove_key(root, k)
+            removed.append(k)
+            total -= sizes[k]
+    return removed
+
+
+def _tar_mode(path: str, write: bool) -> str:
+    if path.endswith((".tar.gz", ".tgz")):
+        return "w:gz" if write else "r:gz"
+    if path.endswith(".tar.zst"):
+        raise CacheError(
+            f"{path}: .tar.zst needs the zstandard module, which this Python lacks "
+            "(pip install zstandard); use a .tar.gz name instead"
+        )
+    if path.endswith(".tar"):
+        return "w" if write else "r"
+    raise CacheError(f"{path}: export to a .tar.gz or .tar file")
+
+
+def _zstd_open(path: str, write: bool):
+    import zstandard
+
+    if write:
+        return zstandard.ZstdCompressor().stream_writer(open(path, "wb"))
+    return zstandard.ZstdDecompressor().stream_reader(open(path, "rb"))
+
+
+def export(root: str, key: str, out: str) -> str:
+    key = resolve_key(root, key)
+    bad = [r for r in verify(root, key) if not r["ok"]]
+    if bad:
+        raise CacheError(f"entry {key} fails verification ({bad[0]['problems']}); fix it first")
+    if out.endswith(".tar.zst"):
+        try:
+            stream = _zstd_open(out, write=True)
+        except ImportError:
+            _tar_mode(out, write=True)  # raises the install hint
+        with stream, tarfile.open(fileobj=stream, mode="w|") as tar:
+            tar.add(os.path.join(root, key), arcname=key, filter=_skip_locks)
+        return key
+    with tarfile.open(out, _tar_mode(out, write=True)) as tar:
+        tar.add(os.path.join(root, key), arcname=key, filter=_skip_locks)
+    return key
+
+
+def _skip_locks(info: tarfile.TarInfo) -> tarfile.TarInfo | None:
+    return None if os.path.basename(info.name) in (LOCK,) or "/.tmp-" in info.name else info
+
+
+def import_archive(root: str, archive: str) -> str:
+    """Install an exported entry after checking its checksums and that it fits this machine."""
+    if not os.path.exists(archive):
+        raise CacheError(f"{archive} does not exist")
+    os.makedirs(root, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as tmp:
+        if archive.endswith(".tar.zst"):
+            try:
+                stream = _zstd_open(archive, write=False)
+            except ImportError:
+                _tar_mode(archive, write=False)
+            with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+                tar.extractall(tmp, filter="data")
+        else:
+            with tarfile.open(archive, _tar_mode(archive, write=False)) as tar:
+                tar.extractall(tmp, filter="data")
+        keys = key_dirs(tmp)
+        if len(keys) != 1:
+            raise CacheError(f"{archive} holds {len(keys)} entries; expected one exported entry")
+        key = keys[0]
+        factors = read_json(os.path.join(tmp, key, FACTORS))
+        if compute_key(factors) != key:
+            raise CacheError(f"{archive}: key {key} does not match its key_factors.json")
+        problems = [p for r in verify(tmp, key) for p in r["problems"]]
+        if problems:
+            raise CacheError(f"{archive} is damaged: {problems}")
+        here = {"torch": versions()["torch"], "device": device_kind()}
+        there = {"torch": factors["versions"]["torch"], "device": factors["device"]}
+        if here != there:
+            raise CacheError(
+                f"{archive} was built for torch {there['torch']} on {there['device']}; this "
+                f"machine has torch {here['torch']} on {here['device']}, so it would never hit"
+            )
+        target = os.path.join(root, key)
+        with FileLock(os.path.join(root, f".{key}.lock")):
+            if os.path.exists(target):
+                _merge_into(os.path.join(tmp, key), target)
+            else:
+                os.replace(os.path.join(tmp, key), target)
+        return key
+
+
+def _merge_into(src: str, dst: str) -> None:
+    """Add what ``src`` has and ``dst`` lacks (artifacts and entries), never overwriting."""
+    for d, _, files in os.walk(src):
+        rel = os.path.relpath(d, src)
+        os.makedirs(os.path.join(dst, rel), exist_ok=True)
+        for f in files:
+            target = os.path.join(dst, rel, f)
+            if not os.path.exists(target):
+                shutil.copy2(os.path.join(d, f), target)
+
+
+__all__ = [
+    "ARTIFACTS",
+    "CacheError",
+    "EntryInfo",
+    "clear",
+    "closest_entry",
+    "explain",
+    "export",
+    "factors_of",
+    "import_archive",
+    "list_entries",
+    "prune",
+    "show",
+    "verify",
+]
