@@ -87,17 +87,6 @@ def run_backend(name: str, batch: PagedBatch, spec: AttentionSpec, **build_kwarg
     return out, cache
 
 
-def expected_cache(batch: PagedBatch) -> torch.Tensor:
-    """The batch's cache with exactly the real tokens' keys and values written."""
-    cache = batch.kv_cache.clone()
-    n = batch.num_actual_tokens
-    slots = batch.slot_mapping[:n]
-    _, _, _, h, d = cache.shape
-    cache[0].view(-1, h, d)[slots] = batch.key[:n]
-    cache[1].view(-1, h, d)[slots] = batch.value[:n]
-    return cache
-
-
 @st.composite
 def batch_shapes(draw, max_reqs: int = 8, max_ctx_blocks: int = 3, max_query: int = 40):
     """A mixed batch: decodes (query 1) and prefill chunks, with and without cached prefixes."""
@@ -140,7 +129,7 @@ def test_torch_native_matches_dense_reference(shape):
     ref = dense_reference(batch, spec.scale)
     assert (out[:n].double() - ref).abs().max() < 1e-5
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
-    assert torch.equal(cache[:, 1:], expected_cache(batch)[:, 1:])  # all but the null block
+    assert torch.equal(cache[:, 1:], batch.expected_cache()[:, 1:])  # all but the null block
 
 
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
@@ -183,7 +172,7 @@ def test_padded_tokens_never_change_request_blocks():
     cache = batch.kv_cache.clone()
     out = torch.empty_like(batch.query)
     backend.make_impl(spec).forward(batch.query, batch.key, batch.value, cache, metadata, out)
-    expected = expected_cache(batch)
+    expected = batch.expected_cache()
     assert torch.equal(cache[:, 1:], expected[:, 1:])  # every block but the null block
     unpadded, _ = run_backend("torch_native", _without_padding(batch), spec)
     assert torch.equal(out[:n], unpadded)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from compile_runtime.backends.attention import load_backend
 from compile_runtime.backends.attention.torch_native import TorchNativeImpl
-from test_attention import expected_cache
 
 import compile_runtime as cr
 from compile_runtime.attention import (
@@ -80,7 +79,7 @@ def test_backend_matches_torch_native_on_gpu(name, dtype, shape):
     backend.make_impl(spec).forward(batch.query, batch.key, batch.value, cache, metadata, out)
     n = batch.num_actual_tokens
     assert (out[:n].float() - ref[:n]).abs().max() < TOLERANCE[dtype]
-    assert torch.equal(cache[:, 1:], expected_cache(batch)[:, 1:])  # all but the null block
+    assert torch.equal(cache[:, 1:], batch.expected_cache()[:, 1:])  # all but the null block
 
 
 DECODE_STEPS = [([1] * 8, [5, 16, 31, 1, 90, 33, 64, 7]), ([1] * 5, [17, 2, 47, 15, 100])]

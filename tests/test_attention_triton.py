@@ -19,7 +19,7 @@ import pytest
 import torch
 from compile_runtime.backends.attention.triton_attn import interpreter_enabled
 from hypothesis import given, settings
-from test_attention import batch_shapes, expected_cache, run_backend, spec_of
+from test_attention import batch_shapes, run_backend, spec_of
 
 from compile_runtime.attention import AttentionSpec
 from compile_runtime.attention.testing import make_paged_batch
@@ -52,7 +52,7 @@ def assert_matches_torch_native(batch, spec, **build_kwargs):
     assert (out[:n] - ref[:n]).abs().max() < 1e-5
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))  # padded rows: zeros
     assert torch.equal(cache[:, 1:], ref_cache[:, 1:])
-    assert torch.equal(cache[:, 1:], expected_cache(batch)[:, 1:])
+    assert torch.equal(cache[:, 1:], batch.expected_cache()[:, 1:])
 
 
 @needs_interpreter

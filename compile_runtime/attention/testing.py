@@ -34,6 +34,16 @@ class PagedBatch:
     def num_reqs(self) -> int:
         return len(self.full_keys)
 
+    def expected_cache(self) -> torch.Tensor:
+        """The cache after a correct step: exactly the real tokens' keys and values written."""
+        cache = self.kv_cache.clone()
+        n = self.num_actual_tokens
+        slots = self.slot_mapping[:n]
+        _, _, _, num_kv_heads, head_size = cache.shape
+        cache[0].view(-1, num_kv_heads, head_size)[slots] = self.key[:n]
+        cache[1].view(-1, num_kv_heads, head_size)[slots] = self.value[:n]
+        return cache
+
 
 def make_paged_batch(
     query_lens: list[int],
