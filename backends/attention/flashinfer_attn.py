@@ -29,6 +29,7 @@ from compile_runtime.backends.attention.base import (
 
 from compile_runtime.attention.kv_cache import NULL_BLOCK_ID, write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
+from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.config import AttentionCGSupport
 
 INSTALL_HINT = (
@@ -58,7 +59,15 @@ class FlashInferState:
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
-    def __init__(self, spec, block_size, max_num_reqs, device):
+    """Plans FlashInfer's wrappers for the step; one builder serves all layers of a spec."""
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        block_size: int,
+        max_num_reqs: int,
+        device: torch.device | str,
+    ):
         super().__init__(spec, block_size, max_num_reqs, device)
         if self.device.type != "cuda":
             raise AttentionBackendError(
