@@ -281,16 +281,10 @@ def import_archive(root: str, archive: str) -> str:
         raise CacheError(f"{archive} does not exist")
     os.makedirs(root, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=root, prefix=".import-") as tmp:
-        if archive.endswith(".tar.zst"):
-            try:
-                stream = _zstd_open(archive, write=False)
-            except ImportError:
-                _tar_mode(archive, write=False)
-            with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
-                tar.extractall(tmp, filter="data")
-        else:
-            with tarfile.open(archive, _tar_mode(archive, write=False)) as tar:
-                tar.extractall(tmp, filter="data")
+        try:
+            _extract(archive, tmp)
+        except (tarfile.TarError, EOFError, OSError) as e:
+            raise CacheError(f"{archive} is not a readable cache archive ({e})") from None
         keys = key_dirs(tmp)
         if len(keys) != 1:
             raise CacheError(f"{archive} holds {len(keys)} entries; expected one exported entry")
@@ -315,6 +309,19 @@ def import_archive(root: str, archive: str) -> str:
             else:
                 os.replace(os.path.join(tmp, key), target)
         return key
+
+
+def _extract(archive: str, into: str) -> None:
+    if archive.endswith(".tar.zst"):
+        try:
+            stream = _zstd_open(archive, write=False)
+        except ImportError:
+            _tar_mode(archive, write=False)  # raises the install hint
+        with stream, tarfile.open(fileobj=stream, mode="r|") as tar:
+            tar.extractall(into, filter="data")
+    else:
+        with tarfile.open(archive, _tar_mode(archive, write=False)) as tar:
+            tar.extractall(into, filter="data")
 
 
 def _merge_into(src: str, dst: str) -> None:
