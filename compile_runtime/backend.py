@@ -110,7 +110,8 @@ class CompilerBackend:
         self.config = config
         self.model_tag = model_tag
         self.adaptor = make_adaptor(config.backend, config.inductor_compile_config)
-        self.pass_manager = PassManager(config.pass_config)
+        self.pass_manager = PassManager(config.pass_config, debug_dump_path=config.debug_dump_path)
+        self.adaptor.pass_manager = self.pass_manager  # post-grad passes (Inductor only)
         self.split_gm: torch.fx.GraphModule | None = None
         self.result = CompileResult()
         self.runtimes: list[PiecewiseRuntime] = []

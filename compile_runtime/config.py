@@ -117,12 +117,23 @@ class AttentionCGSupport(enum.IntEnum):
 
 
 class PassConfig(BaseModel):
-    """One flag per graph pass; the passes issue fills these in."""
+    """One flag per graph pass (see passes/manager.py for the pipeline and its order).
+
+    A fusion flag of None means "auto": on for graphs on CUDA, off elsewhere.
+    On a CPU Inductor already fuses these patterns into its own C++ loops and
+    an opaque fused op only gets in its way (measured in benchmarks/passes.py).
+    ``enable_fusion=False`` turns every fusion off whatever its own flag says.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
     enable_noop_elimination: bool = True
     enable_fusion: bool = True
+    enable_rms_norm_fusion: bool | None = None  # RMSNorm and residual add + RMSNorm
+    enable_silu_mul_fusion: bool | None = None  # SwiGLU gate: silu(x[:d]) * x[d:]
+    enable_rotary_fusion: bool | None = None  # Q and K rotary in one in-place op
+    enable_post_cleanup: bool = True  # dead code left by replacements
+    enable_fix_functionalization: bool = True  # in-place custom ops back in place; last
 
 
 def default_capture_sizes(max_size: int) -> list[int]:

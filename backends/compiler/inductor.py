@@ -43,8 +43,23 @@ class _Unwrap:
 class InductorAdaptor(CompilerAdaptor):
     name = "inductor"
 
-    def __init__(self, config_patches: dict[str, Any] | None = None):
+    def __init__(self, config_patches: dict[str, Any] | None = None, pass_manager=None):
         self.config_patches = dict(config_patches or {})
+        # A compile_runtime.passes.PassManager: its post-grad passes run on every piece.
+        self.pass_manager = pass_manager
+
+    def inductor_config(self, runtime_shape: int | None) -> dict[str, Any]:
+        """The config patches for one compile, with the pass manager's post-grad pass."""
+        patches = dict(self.config_patches)
+        if self.pass_manager is not None:
+            ours = self.pass_manager.post_grad_pass(runtime_shape)
+            theirs = patches.get("post_grad_custom_post_pass")
+            if theirs is None:
+                patches["post_grad_custom_post_pass"] = ours
+            else:  # the user's own pass(es) run after ours
+                theirs = list(theirs) if isinstance(theirs, (list, tuple)) else [theirs]
+                patches["post_grad_custom_post_pass"] = [ours, *theirs]
+        return patches
 
     def compile(
         self, graph: torch.fx.GraphModule, example_inputs: list[Any], runtime_shape: int | None
@@ -59,7 +74,7 @@ class InductorAdaptor(CompilerAdaptor):
             graph,
             example_inputs,
             dynamic_shapes=dynamic,
-            options={"config_patches": self.config_patches},
+            options={"config_patches": self.inductor_config(runtime_shape)},
         )
         compilation_counter.num_inductor_compiles += 1
         fn = _Unwrap(artifact) if single else artifact
