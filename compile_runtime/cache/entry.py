@@ -19,8 +19,6 @@ compiled again.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import shutil
@@ -33,6 +31,10 @@ from typing import Any
 from filelock import FileLock
 
 from compile_runtime.backends.compiler import CompiledPiece, CompilerAdaptor
+from compile_runtime.cache.files import file_sha256, read_json, write_atomic, write_json
+from compile_runtime.cache.kernels import collect as collect_kernels
+from compile_runtime.cache.kernels import install as install_kernels
+from compile_runtime.cache.kernels import track_loaded_kernels
 from compile_runtime.counter import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -52,40 +54,6 @@ def shape_name(shape: int | None) -> str:
 
 def index_key(piece_hash: str, shape: int | None, compiler: str) -> str:
     return f"{piece_hash}/{shape_name(shape)}/{compiler}"
-
-
-def file_sha256(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def write_json(path: str, obj: Any) -> None:
-    write_atomic(path, json.dumps(obj, indent=1, sort_keys=True).encode())
-
-
-def read_json(path: str) -> Any:
-    with open(path) as f:
-        return json.load(f)
 
 
 def verify_record(key_dir: str, record: dict[str, Any]) -> str | None:
@@ -132,12 +100,21 @@ class CacheEntry:
         self.key_dir = os.path.join(root, key)
         self.dir = os.path.join(self.key_dir, f"rank_{rank}", model_tag)
         self.index: dict[str, dict[str, Any]] = {}
+        self.kernels: dict[str, dict[str, Any]] = {}
+        self.ships_kernels = adaptor.name == "inductor" and factors.get("device", "").startswith(
+            "cpu"
+        )
+        if self.ships_kernels:
+            track_loaded_kernels()
         index_path = os.path.join(self.dir, INDEX)
         if os.path.exists(index_path):
             try:
-                self.index = read_json(index_path)["artifacts"]
+                stored = read_json(index_path)
+                self.index, self.kernels = stored["artifacts"], stored.get("kernels", {})
             except (ValueError, KeyError) as e:
                 self._quarantine(f"index.json is unreadable ({e})")
+        if self.kernels:
+            install_kernels(self.key_dir, self.kernels)
         self.new_index: dict[str, dict[str, Any]] = {}
         self.num_loaded = 0
         self.num_compiled = 0
@@ -217,8 +194,10 @@ class CacheEntry:
                             merged[k] = record
                 except (ValueError, KeyError):
                     pass
-            if merged != self.index or not os.path.exists(index_path):
-                write_json(index_path, {"version": 1, "artifacts": merged})
+            kernels = collect_kernels(self.key_dir) if self.ships_kernels else {}
+            kernels = {**self.kernels, **kernels}
+            if merged != self.index or kernels != self.kernels or not os.path.exists(index_path):
+                write_json(index_path, {"version": 1, "artifacts": merged, "kernels": kernels})
             meta_path = os.path.join(self.dir, META)
             meta = read_json(meta_path) if os.path.exists(meta_path) else {}
             now = time.time()

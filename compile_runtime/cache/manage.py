@@ -25,9 +25,10 @@ from compile_runtime.cache.entry import (
     META,
     QUARANTINE,
     quarantine_dir,
-    read_json,
     verify_record,
 )
+from compile_runtime.cache.files import file_sha256, read_json
+from compile_runtime.cache.kernels import KERNELS
 from compile_runtime.cache.key import compute_key, device_kind, diff_factors, versions
 
 
@@ -51,6 +52,7 @@ class EntryInfo:
     compile_seconds: float | None
     pieces: list[dict[str, Any]] = field(default_factory=list)
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    kernels: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -82,7 +84,8 @@ def iter_entries(root: str, key: str | None = None) -> Iterator[EntryInfo]:
 
 
 def _entry_info(key, rank, tag, path, key_dir, factors) -> EntryInfo:
-    index = read_json(os.path.join(path, INDEX))["artifacts"]
+    stored = read_json(os.path.join(path, INDEX))
+    index = stored["artifacts"]
     meta_path = os.path.join(path, META)
     meta = read_json(meta_path) if os.path.exists(meta_path) else {}
     unique = {r["artifact"]: r["bytes"] for r in index.values()}
@@ -101,6 +104,7 @@ def _entry_info(key, rank, tag, path, key_dir, factors) -> EntryInfo:
         compile_seconds=meta.get("compile_seconds"),
         pieces=meta.get("pieces", []),
         artifacts=index,
+        kernels=stored.get("kernels", {}),
     )
 
 
@@ -167,6 +171,9 @@ def verify(root: str, key: str | None = None, fix: bool = False) -> list[dict[st
             problems_by_entry.append((key_dir, ["key_factors.json is missing"]))
         for info in iter_entries(root, k):
             problems = [p for r in info.artifacts.values() if (p := verify_record(key_dir, r))]
+            problems += [
+                p for rel, r in info.kernels.items() if (p := _verify_kernel(key_dir, rel, r))
+            ]
             problems_by_entry.append((info.path, sorted(set(problems))))
         for path, problems in problems_by_entry:
             row = {"key": k, "path": path, "ok": not problems, "problems": problems}
@@ -175,6 +182,15 @@ def verify(root: str, key: str | None = None, fix: bool = False) -> list[dict[st
                     row["quarantined_to"] = quarantine_dir(root, path, "; ".join(problems))
             report.append(row)
     return report
+
+
+def _verify_kernel(key_dir: str, rel: str, record: dict[str, Any]) -> str | None:
+    path = os.path.join(key_dir, KERNELS, rel)
+    if not os.path.exists(path):
+        return f"kernel {rel} is missing"
+    if file_sha256(path) != record["sha256"]:
+        return f"kernel {rel} fails its sha256 checksum"
+    return None
 
 
 def _remove_key(root: str, key: str) -> int:
