@@ -67,5 +67,16 @@ timeout "$left" $PY $PYFLAGS benchmarks/gpu_latency.py --iters 100 --warmup 10 \
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "benchmark exit code $rc (partial results stay in gpu_latency.json)"; status=1; }
 
+echo "== attention backends (decode latency, eager vs graph)"
+left=$((BUDGET - SECONDS))
+if [ "$left" -ge 60 ]; then
+    timeout "$left" $PY $PYFLAGS benchmarks/attention.py --iters 100 --warmup 10 \
+        --out "$OUT_DIR/attention.json" 2>&1 | tee "$OUT_DIR/attention_bench.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && { echo "attention benchmark exit code $rc"; status=1; }
+else
+    echo "only ${left}s left: skipping the attention benchmark"
+fi
+
 echo "== done in ${SECONDS}s, status $status"
 exit $status
