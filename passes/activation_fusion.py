@@ -1,7 +1,8 @@
 """SiLU-and-multiply fusion (the SwiGLU gate) as one op.
 
 ``silu(gate) * up``, where gate and up are the two halves of one tensor ``t``
-(``split_with_sizes(t, [d, d], -1)`` or two slices of the last dimension),
+(``split_with_sizes(t, [d, d], -1)``, ``chunk(t, 2, -1)`` or two slices of the
+last dimension),
 becomes ``compile_runtime.silu_and_mul(t)``. The silu may reach the post-grad
 graph as ``aten.silu``, as ``x * sigmoid(x)`` or decomposed as
 ``x / (1 + exp(-x))``; for a low-precision gate it is computed in float32 and
@@ -82,23 +83,19 @@ def _halves(gate, up) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
     """``(t, nodes)`` if gate is the first and up the second half of t's last dimension."""
     if _is_getitem(gate) and _is_getitem(up):
         split = gate.args[0]
-        if (
-            up.args[0] is split
-            and gate.args[1] == 0
-            and up.args[1] == 1
-            and is_op(split, aten.split_with_sizes.default)
-        ):
-            t = split.args[0]
-            sizes = split.args[1]
-            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-            tv = tensor_val(t)
-            if (
-                tv is not None
-                and len(sizes) == 2
-                and last_dim(dim, tv.dim())
-                and sym_equal(sizes[0], sizes[1])
-                and sym_equal(2 * sizes[0], tv.shape[-1])
-            ):
+        if not (up.args[0] is split and gate.args[1] == 0 and up.args[1] == 1):
+            return None
+        if not is_op(split, aten.split_with_sizes.default, aten.split.Tensor):
+            return None
+        t, sizes = split.args[0], split.args[1]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        tv = tensor_val(t)
+        if tv is None or not last_dim(dim, tv.dim()):
+            return None
+        if is_op(split, aten.split.Tensor):  # chunk(2): one split size for every part
+            sizes = [sizes, sizes] if not isinstance(sizes, (list, tuple)) else sizes
+        if len(sizes) == 2 and sym_equal(sizes[0], sizes[1]):
+            if sym_equal(2 * sizes[0], tv.shape[-1]):
                 return t, [gate, up, split]
         return None
     if is_op(gate, aten.slice.Tensor) and is_op(up, aten.slice.Tensor):
@@ -149,4 +146,5 @@ class SiluMulFusionPass(GraphPass):
                 break
         if count:
             stable_topological_sort(graph)
+        self.last_counts = {"silu_and_mul": count}
         return count

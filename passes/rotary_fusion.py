@@ -169,10 +169,6 @@ class RotaryFusionPass(GraphPass):
     name = "rotary_fusion"
     depends_on = (fused_ops,)
 
-    def __init__(self, token_range=None):
-        super().__init__(token_range)
-        self.last_pairs = 0
-
     def run(self, graph: torch.fx.Graph) -> int:
         sites: list[RotarySite] = []
         for node in graph.nodes:
@@ -191,7 +187,7 @@ class RotaryFusionPass(GraphPass):
                 pairs += len(pair) == 2
         if count:
             stable_topological_sort(graph)
-        self.last_pairs = pairs
+        self.last_counts = {"rotary_qk": pairs, "rotary_single": count - 2 * pairs}
         return count
 
     def _replace(self, graph: torch.fx.Graph, pair: list[RotarySite]) -> None:
