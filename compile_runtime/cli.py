@@ -97,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     from compile_runtime.cache.cli import register as register_cache
 
     register_cache(sub)
+    from compile_runtime.planner.cli import register as register_planner
+
+    register_planner(sub)  # plan-sizes, check
     return parser
 
 

@@ -164,7 +164,8 @@ class CompilationConfig(BaseModel):
     splitting_ops: list[str] | None = None  # None = this package's attention ops
     compile_sizes: list[int] = Field(default_factory=list)
     cudagraph_mode: CUDAGraphMode = CUDAGraphMode.FULL_AND_PIECEWISE
-    cudagraph_capture_sizes: list[int] | None = None  # None = default ladder
+    # None = default ladder; "auto:FILE[:K]" = K sizes planned from a recorded workload
+    cudagraph_capture_sizes: list[int] | str | None = None
     max_cudagraph_capture_size: int | None = None  # None = largest capture size or 512
     cudagraph_num_warmups: int = Field(default=1, ge=0)
     cache_dir: str | None = None
@@ -197,8 +198,13 @@ class CompilationConfig(BaseModel):
 
     @field_validator("compile_sizes", "cudagraph_capture_sizes")
     @classmethod
-    def _positive_sorted_unique(cls, v: list[int] | None) -> list[int] | None:
+    def _positive_sorted_unique(cls, v: list[int] | str | None) -> list[int] | str | None:
         if v is None:
+            return v
+        if isinstance(v, str):  # "auto:FILE[:K]", planned in capture_sizes()
+            from compile_runtime.planner.auto import parse_auto_spec
+
+            parse_auto_spec(v)
             return v
         for size in v:
             if size <= 0:
@@ -215,7 +221,7 @@ class CompilationConfig(BaseModel):
     @model_validator(mode="after")
     def _sizes_agree_with_max(self) -> CompilationConfig:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
-        if sizes and max_size is not None and max(sizes) != max_size:
+        if isinstance(sizes, list) and sizes and max_size is not None and max(sizes) != max_size:
             raise ValueError(
                 f"cudagraph_capture_sizes ends at {max(sizes)} but max_cudagraph_capture_size is "
                 f"{max_size}; set only one of them, or make them agree"
@@ -226,7 +232,13 @@ class CompilationConfig(BaseModel):
 
     def capture_sizes(self, max_num_tokens: int | None = None) -> list[int]:
         """The CUDA graph sizes, bounded by the runner's tokens per step if known."""
-        if self.cudagraph_capture_sizes is not None:
+        if isinstance(self.cudagraph_capture_sizes, str):
+            from compile_runtime.planner.auto import resolve_auto_sizes
+
+            cap = self.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE
+            cap = min(cap, max_num_tokens) if max_num_tokens is not None else cap
+            sizes = resolve_auto_sizes(self.cudagraph_capture_sizes, cap)
+        elif self.cudagraph_capture_sizes is not None:
             sizes = list(self.cudagraph_capture_sizes)
         else:
             sizes = default_capture_sizes(

@@ -1,0 +1,106 @@
+"""``CompilationConfig(cudagraph_capture_sizes="auto:FILE[:K]")``: a plan applied at start-up.
+
+The config keeps the string (it stays hashable and serialisable);
+``CompilationConfig.capture_sizes()`` calls ``resolve_auto_sizes`` when the
+dispatcher is built, which reads the workload file and plans the sizes.
+
+* ``FILE``: a workload histogram (``generate --record-workload FILE``,
+  ``LLM.save_workload(FILE)``), relative to the working directory.
+* ``K``: how many sizes. Default: as many as the default ladder spends to
+  cover the largest step seen, so the plan costs the same number of graphs
+  as the default would for this workload and pads less.
+* The largest size is the largest step seen that is <= the cap: the smaller
+  of ``max_cudagraph_capture_size`` (default 512, the default ladder's top)
+  and the runner's tokens per step. Larger steps run without a graph.
+
+The file's contents change which graphs are captured, never compiled code,
+so the compile cache key holds the spec string, not the file's contents.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from compile_runtime.planner.sizes import default_num_graphs, plan_report
+from compile_runtime.planner.workload import load_workload
+
+logger = logging.getLogger(__name__)
+
+AUTO_PREFIX = "auto:"
+
+
+@dataclass(frozen=True)
+class AutoSpec:
+    path: str
+    max_graphs: int | None  # None: as many as the default ladder needs
+
+
+def parse_auto_spec(spec: str) -> AutoSpec:
+    """``"auto:FILE"`` or ``"auto:FILE:K"``; anything else is an error that shows the forms."""
+    forms = (
+        "use a list of sizes, or 'auto:FILE' / 'auto:FILE:K' to plan K sizes from a workload "
+        "file (compile-runtime generate --record-workload FILE)"
+    )
+    if not spec.startswith(AUTO_PREFIX):
+        raise ValueError(f"cudagraph_capture_sizes={spec!r} is not understood; {forms}")
+    rest = spec[len(AUTO_PREFIX) :]
+    path, k = rest, None
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail.strip().lstrip("+-").isdigit():
+        path, k = head, int(tail)
+        if k < 1:
+            raise ValueError(f"cudagraph_capture_sizes={spec!r}: K must be >= 1, got {k}; {forms}")
+    if not path:
+        raise ValueError(f"cudagraph_capture_sizes={spec!r} names no file; {forms}")
+    return AutoSpec(path, k)
+
+
+_resolved: dict[tuple, list[int]] = {}
+
+
+def resolve_auto_sizes(spec: str, max_size: int | None) -> list[int]:
+    """The capture sizes ``spec`` plans, capped at ``max_size``."""
+    parsed = parse_auto_spec(spec)
+    try:
+        stat = os.stat(parsed.path)
+        stamp: tuple = (stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        stamp = ()
+    key = (spec, os.path.abspath(parsed.path), stamp, max_size)
+    if key in _resolved:
+        return list(_resolved[key])
+    try:
+        workload = load_workload(parsed.path)
+    except ValueError as e:
+        raise ValueError(
+            f"cudagraph_capture_sizes={spec!r}: {e}; or set cudagraph_capture_sizes to a list "
+            "of sizes (or None for the default ladder)"
+        ) from None
+    histogram = workload.combined()
+    k = parsed.max_graphs or max(default_num_graphs(histogram, max_size), 1)
+    report = plan_report(histogram, k, max_size)
+    if not report.sizes:
+        raise ValueError(
+            f"cudagraph_capture_sizes={spec!r}: every step in {parsed.path!r} has more than "
+            f"{max_size} tokens, so no graph size fits under the cap; raise "
+            "max_cudagraph_capture_size or record a workload with smaller steps"
+        )
+    logger.info(
+        "cudagraph_capture_sizes %s: %d sizes planned from %d steps, up to %d: %s; padding "
+        "%.2f tokens/step (default ladder with %d sizes: %.2f); %d steps above %s run without "
+        "a graph",
+        spec,
+        len(report.sizes),
+        report.plan.num_steps,
+        report.sizes[-1],
+        report.sizes,
+        report.plan.padded_per_step,
+        report.default_same_k.num_sizes,
+        report.default_same_k.padded_per_step,
+        report.plan.uncovered_steps,
+        report.sizes[-1],
+    )
+    _resolved[key] = list(report.sizes)
+    return list(report.sizes)
