@@ -115,6 +115,7 @@ class CompilerBackend:
         self.split_gm: torch.fx.GraphModule | None = None
         self.result = CompileResult()
         self.runtimes: list[PiecewiseRuntime] = []
+        self.pieces: list[Piece] = []  # every piece with its FX graph before compilation
         self.cache: CacheEntry | None = None
         self.key_factors: dict[str, Any] | None = None
 
@@ -163,6 +164,7 @@ class CompilerBackend:
             self.runtimes.append(runtime)
 
         self.split_gm = split_gm
+        self.pieces = pieces
         self.result = CompileResult(
             pieces=compiler.records,
             unique_pieces=len(compiler.compiled),
