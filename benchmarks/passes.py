@@ -73,6 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", nargs="+", default=VARIANTS, choices=VARIANTS)
     p.add_argument("--iters", type=int, default=None, help="timed steps (default by device)")
     p.add_argument("--warmup", type=int, default=5)
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 keeps other load from stalling OpenMP",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "passes.json"))
     return p.parse_args(argv)
 
@@ -207,6 +213,9 @@ def table(results: list[dict], tokens: list[int]) -> str:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available")
