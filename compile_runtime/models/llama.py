@@ -4,6 +4,12 @@ Written for the runtime: q/k/v and gate/up are fused into one matmul each,
 attention goes through the package's splitting op (so the graph splits there
 and the KV cache is paged), and the decoder body is ``@compile``-decorated
 while the LM head runs outside the graph on the last position of each request.
+
+Tensor parallelism: the projections are the column/row-parallel layers of
+``compile_runtime.distributed`` (heads and intermediate columns split over
+ranks, one all-reduce after o_proj and after down_proj, inside the traced
+graph), the embedding and LM head split the vocabulary. On one rank they are
+plain ``F.linear`` / ``F.embedding`` calls, so TP=1 computes what it always did.
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ from transformers import PretrainedConfig
 
 import compile_runtime as cr
 from compile_runtime.attention import Attention
+from compile_runtime.distributed import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from compile_runtime.models.loader import FusedShards, StackedParam, load_weights
 
 
@@ -80,19 +93,26 @@ class RotaryEmbedding(nn.Module):
 class SelfAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, flags: ArchFlags, prefix: str, dtype: torch.dtype):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.q_size = self.num_heads * self.head_size
-        self.kv_size = self.num_kv_heads * self.head_size
+        total_heads = config.num_attention_heads
+        total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
+        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // total_heads
         bias = (
             flags.qkv_bias
             if flags.qkv_bias is not None
             else getattr(config, "attention_bias", False)
         )
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_size, total_heads, total_kv_heads, bias=bias
+        )
+        # This rank's heads (all of them on one rank).
+        self.num_heads = self.qkv_proj.layout.num_heads
+        self.num_kv_heads = self.qkv_proj.layout.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
         o_bias = getattr(config, "attention_bias", False) and flags.qkv_bias is None
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = RowParallelLinear(
+            total_heads * self.head_size, config.hidden_size, bias=o_bias, name="o_proj"
+        )
         self.qk_norm = flags.qk_norm
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
@@ -135,9 +155,13 @@ class MLP(nn.Module):
                 f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported"
             )
         bias = getattr(config, "mlp_bias", False)
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate, bias=bias)
-        self.down_proj = nn.Linear(self.intermediate, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=bias, name="gate_up_proj"
+        )
+        self.intermediate = self.gate_up_proj.local_sizes[0]  # this rank's columns
+        self.down_proj = RowParallelLinear(
+            config.intermediate_size, config.hidden_size, bias=bias, name="down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
@@ -163,7 +187,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: PretrainedConfig, flags: ArchFlags, dtype: torch.dtype):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, flags, f"model.layers.{i}", dtype)
             for i in range(config.num_hidden_layers)
@@ -191,15 +215,16 @@ class CausalLM(nn.Module):
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.model = DecoderModel(config, ARCHITECTURES[model_type], dtype)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """Logits of ``hidden_states``; under tensor parallelism on rank 0 only (None elsewhere)."""
+        return self.lm_head.compute_logits(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]

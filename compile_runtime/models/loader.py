@@ -5,6 +5,11 @@ Our models fuse projections (q/k/v into ``qkv_proj``, gate/up into
 parameters with ``stacked_params`` (fused target, checkpoint part, shard).
 Every parameter must be filled exactly once and every checkpoint tensor
 must land somewhere: anything else is an error that names the tensor.
+
+Under tensor parallelism a parameter holds one rank's slice; it says which
+with a ``tp_shard(shard_id) -> (dim, start, length) | None`` attribute (set
+by the layers in ``compile_runtime.distributed``), and only that slice is
+read from the file.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -53,10 +59,37 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 
 def iterate_weights(model_dir: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for name, tensor in iterate_checkpoint(model_dir):
+        yield name, tensor.read()
+
+
+class CheckpointTensor:
+    """A tensor in an open safetensors file, read whole or in one slice along one dim."""
+
+    def __init__(self, name: str, handle: Any):
+        self.name = name
+        self._slice = handle.get_slice(name)
+        self.shape = tuple(self._slice.get_shape())
+
+    def read(self) -> torch.Tensor:
+        return self._slice[:]
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows ``[start, start + length)`` along ``dim``; only those bytes are read."""
+        if dim >= len(self.shape) or start + length > self.shape[dim]:
+            raise WeightLoadingError(
+                f"checkpoint tensor {self.name!r} has shape {self.shape}; this rank needs "
+                f"[{start}, {start + length}) along dim {dim}. Does config.json match the weights?"
+            )
+        return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
+
+
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Every tensor of the checkpoint, lazily: nothing is read until asked for."""
     for path in safetensors_files(model_dir):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, CheckpointTensor(name, f)
 
 
 class FusedShards:
@@ -91,7 +124,7 @@ def load_weights(
     """
     params = dict(model.named_parameters())
     filled: dict[str, set] = {name: set() for name in params}
-    for ckpt_name, tensor in iterate_weights(model_dir):
+    for ckpt_name, tensor in iterate_checkpoint(model_dir):
         if any(s in ckpt_name for s in ignore):
             continue
         target, shard = ckpt_name, None
@@ -104,11 +137,19 @@ def load_weights(
                 f"checkpoint tensor {ckpt_name!r} has no place in {type(model).__name__} "
                 f"(looked for parameter {target!r}); is the model directory for this architecture?"
             )
-        dst = params[target].data
+        param = params[target]
+        dst = param.data
         if shard is not None:
             start, size = fused_shards[_leaf(target)].offsets[shard]
             dst = dst.narrow(0, start, size)
-        _copy(dst, tensor, ckpt_name)
+        region = param.tp_shard(shard) if hasattr(param, "tp_shard") else None
+        if region is None:
+            _copy(dst, tensor.read(), ckpt_name)
+        else:  # this rank's slice only; a padded last slice fills the leading rows of dst
+            dim, start, length = region
+            _copy(
+                dst.narrow(dim, 0, min(length, dst.shape[dim])), tensor.narrow(*region), ckpt_name
+            )
         filled[target].add(shard)
 
     missing = []

@@ -1,7 +1,11 @@
 """``cr.LLM``: offline generation over a model directory.
 
-Builds the runner (load, compile, size the KV cache, capture graphs), then
-loops scheduler -> runner -> sampler until every request is done.
+Builds the executor, which starts the runner on every rank (load, compile,
+size the KV cache, capture graphs), then loops scheduler -> executor ->
+sampler until every request is done. The scheduler never learns how many
+ranks there are: ``tensor_parallel_size=N`` with ``distributed_executor_backend``
+``"mp"`` (worker processes on this machine) or ``"ray"`` (Ray actors) changes
+only who runs the model.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from compile_runtime.config import CompilationConfig, parse_config
+from compile_runtime.executor import EngineConfig, Executor, make_executor
 from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
@@ -68,6 +73,8 @@ class LLM:
         gpu_memory_utilization: float = 0.85,
         num_gpu_blocks_override: int | None = None,
         use_transformers: bool = False,
+        tensor_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
     ):
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
@@ -76,7 +83,7 @@ class LLM:
                 raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
         self.compilation_config = parse_config(compilation_config)
-        runner_config = RunnerConfig(
+        self.runner_config = runner_config = RunnerConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
@@ -85,34 +92,68 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
         )
-        self.runner = ModelRunner(
-            model_dir,
-            self.compilation_config,
-            runner_config,
-            dtype=dtype,
-            device=device,
-            use_transformers=use_transformers,
+        self.executor: Executor = make_executor(
+            EngineConfig(
+                model_dir=model_dir,
+                compilation_config=self.compilation_config,
+                runner_config=runner_config,
+                dtype=dtype,
+                device=device,
+                use_transformers=use_transformers,
+                tensor_parallel_size=tensor_parallel_size,
+            ),
+            distributed_executor_backend,
         )
-        self.runner.initialize()
         self.scheduler = Scheduler(
-            num_blocks=self.runner.num_blocks,
+            num_blocks=self.executor.num_blocks,
             block_size=block_size,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
         self.tokenizer = _load_tokenizer(model_dir)
-        hf_config = getattr(self.runner.model, "config", None)
+        if hasattr(self.executor, "driver_runner"):
+            hf_config = getattr(self.runner.model, "config", None)
+        else:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(model_dir)
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
 
     @property
+    def runner(self) -> ModelRunner:
+        """The model runner, when it lives in this process (one rank, the default executor)."""
+        runner = getattr(self.executor, "driver_runner", None)
+        if runner is None:
+            raise AttributeError(
+                f"{type(self.executor).__name__} runs its model runners in worker processes; "
+                "use llm.executor (collective_rpc, workers_info) instead of llm.runner"
+            )
+        return runner
+
+    @property
+    def compile_seconds(self) -> float:
+        """Start-up compile time (the slowest rank)."""
+        return self.executor.compile_seconds
+
+    @property
     def workload(self):
-        return self.runner.workload
+        return self.executor.workload()
 
     def save_workload(self, path: str) -> None:
         """Write the step-size histogram so far (for ``compile-runtime plan-sizes``)."""
-        self.runner.workload.save(path)
+        self.workload.save(path)
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (nothing to do on one rank); safe to call twice."""
+        self.executor.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
 
     def generate(
         self,
@@ -132,7 +173,7 @@ class LLM:
         )
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
-        max_len = self.runner.config.max_model_len
+        max_len = self.runner_config.max_model_len
         requests = []
         for tokens, p in zip(token_lists, params, strict=True):
             if not tokens:
@@ -160,8 +201,8 @@ class LLM:
             while self.scheduler.has_unfinished():
                 step_start = time.perf_counter()
                 so = self.scheduler.schedule()
-                self.runner.execute_model(so)
-                out = self.runner.sample_tokens()
+                self.executor.execute_model(so)
+                out = self.executor.sample_tokens()
                 now = time.perf_counter() - start
                 if so.num_scheduled_tokens and all(
                     n == 1 for n in so.num_scheduled_tokens.values()

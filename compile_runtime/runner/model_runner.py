@@ -6,6 +6,11 @@ dispatcher for the runtime mode and padded size, builds attention metadata
 once and runs the forward inside a forward context. ``sample_tokens`` then
 samples the last position of each request whose prompt is complete. The state
 between the two calls lives in one ``ExecuteModelState``.
+
+Under tensor parallelism every rank runs its own runner on the same
+scheduler output (so the persistent batches stay identical); the logits are
+gathered on rank 0, which samples and broadcasts the sampled token ids so
+that every rank appends the same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from compile_runtime.capture import CaptureInputs, CaptureReport, capture
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
 from compile_runtime.cudagraph import wrap_full_model
 from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.registry import load_model
 from compile_runtime.runner.input_batch import InputBatch
@@ -59,7 +65,7 @@ class ExecuteModelState:
     """What ``execute_model`` leaves for ``sample_tokens``."""
 
     req_ids: list[str]
-    logits: torch.Tensor  # [num requests that sample, vocab]
+    logits: torch.Tensor | None  # [num requests that sample, vocab]; None on ranks > 0
     sampling_req_ids: list[str]  # requests whose prompt is complete: they get a token
 
 
@@ -82,6 +88,7 @@ class ModelRunner:
         self.compilation_config = compilation_config
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
+        self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         start = time.perf_counter()
         self.model = load_model(
             model_dir,
@@ -306,7 +313,13 @@ class ModelRunner:
         self.execute_state = None
         output = ModelRunnerOutput(req_ids=list(state.req_ids))
         sampled: dict[str, tuple[int, object]] = {}
-        if state.sampling_req_ids:
+        if state.sampling_req_ids and state.logits is None:  # a rank > 0: rank 0 samples
+            tokens = torch.empty(len(state.sampling_req_ids), dtype=torch.long, device=self.device)
+            broadcast_from_first_rank(tokens)
+            for req_id, token in zip(state.sampling_req_ids, tokens.tolist(), strict=True):
+                self.input_batch.append_token(req_id, token)
+                sampled[req_id] = (token, None)
+        elif state.sampling_req_ids:
             states = [self.input_batch.requests[r] for r in state.sampling_req_ids]
             metadata = SamplingMetadata.from_requests(
                 [
@@ -323,6 +336,8 @@ class ModelRunner:
                 device=state.logits.device,
             )
             result = self.sampler(state.logits, metadata)
+            if self.tp_size > 1:
+                broadcast_from_first_rank(result.token_ids.to(torch.long).contiguous())
             for i, req_id in enumerate(state.sampling_req_ids):
                 token = int(result.token_ids[i])
                 self.input_batch.append_token(req_id, token)

@@ -1,0 +1,52 @@
+"""Tensor parallelism: process group state, collectives, parallel layers."""
+
+from compile_runtime.distributed.communication import (
+    broadcast_from_first_rank,
+    gather_to_first_rank,
+    tensor_parallel_all_reduce,
+)
+from compile_runtime.distributed.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from compile_runtime.distributed.parallel_state import (
+    LOOPBACK,
+    default_backend,
+    destroy_distributed,
+    free_port,
+    get_parallel_state,
+    get_tp_rank,
+    get_tp_world_size,
+    init_distributed,
+)
+from compile_runtime.distributed.sharding import (
+    TensorParallelConfigError,
+    check_tensor_parallel,
+    head_layout,
+)
+from compile_runtime.distributed.vocab import ParallelLMHead, VocabParallelEmbedding
+
+__all__ = [
+    "LOOPBACK",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "ParallelLMHead",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "TensorParallelConfigError",
+    "VocabParallelEmbedding",
+    "broadcast_from_first_rank",
+    "check_tensor_parallel",
+    "default_backend",
+    "destroy_distributed",
+    "free_port",
+    "gather_to_first_rank",
+    "get_tp_rank",
+    "get_tp_world_size",
+    "head_layout",
+    "init_distributed",
+    "get_parallel_state",
+    "tensor_parallel_all_reduce",
+]

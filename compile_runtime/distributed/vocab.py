@@ -1,0 +1,70 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of the ranks and each rank holds a
+contiguous block of rows. The embedding looks up the ids it owns, zeroes the
+others and all-reduces (inside the compiled graph); the LM head computes its
+block of logits and gathers them on rank 0 (outside the graph), which is the
+only rank that samples. On one rank both are plain ``F.embedding`` /
+``F.linear`` over the whole vocabulary.
+
+The rank's first and last row ids are buffers, not Python constants, so the
+traced graph is the same on every rank (one cache key for all ranks).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from compile_runtime.distributed.communication import (
+    gather_to_first_rank,
+    tensor_parallel_all_reduce,
+)
+from compile_runtime.distributed.parallel_state import get_tp_rank, get_tp_world_size
+from compile_runtime.distributed.sharding import vocab_range
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int):
+        super().__init__()
+        self.rank, self.world_size = get_tp_rank(), get_tp_world_size()
+        self.vocab_size = vocab_size
+        self.start, self.end, self.rows = vocab_range(vocab_size, self.rank, self.world_size)
+        self.register_buffer("vocab_start", torch.tensor(self.start), persistent=False)
+        self.register_buffer("vocab_end", torch.tensor(self.end), persistent=False)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
+        self.weight.tp_shard = self._shard  # type: ignore[attr-defined]
+        with torch.no_grad():  # nn.Embedding's initialisation; padding rows (no token) zero
+            nn.init.normal_(self.weight)
+            self.weight[self.end - self.start :].zero_()
+
+    def _shard(self, shard_id: object) -> tuple[int, int, int] | None:
+        if self.world_size == 1:
+            return None
+        return 0, self.start, self.end - self.start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local_ids = torch.where(owned, input_ids - self.vocab_start, 0)
+        x = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return tensor_parallel_all_reduce(x)
+
+    def extra_repr(self) -> str:
+        return f"vocab={self.vocab_size}, rows [{self.start}, {self.end}), tp={self.world_size}"
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits over the vocabulary; full logits on rank 0 only (None elsewhere)."""
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden_states, self.weight)
+        if self.world_size == 1:
+            return logits
+        gathered = gather_to_first_rank(logits, dim=-1)
+        return gathered[..., : self.vocab_size] if gathered is not None else None
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # type: ignore[override]
+        return self.compute_logits(hidden_states)

@@ -1,0 +1,225 @@
+"""``RayExecutor``: workers as Ray actors, placed with a placement group.
+
+Ranks may live on different machines. Rank 0's actor reports its node; when
+every actor is on one node the process group meets on the loopback address,
+otherwise on rank 0's node address. Each step the scheduler output is put in
+Ray's object store once (``ray.put``) and every actor receives the same
+reference; rank 0 alone returns the sampled tokens. A failed or dead actor
+becomes ``WorkerDiedError`` naming its rank, and every actor is killed.
+
+``ray`` is an optional dependency: ``pip install 'compile-runtime[ray]'``.
+Without a running Ray instance (``ray.init`` not called), one is started
+here and stopped again on ``shutdown()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
+from compile_runtime.executor.base import (
+    EngineConfig,
+    Executor,
+    ExecutorError,
+    WorkerDiedError,
+)
+from compile_runtime.executor.worker import Worker, error_summary, limit_threads
+from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+RAY_MISSING = (
+    "distributed_executor_backend='ray' needs the ray package, which is not installed; "
+    "install it with: pip install 'compile-runtime[ray]' (or: pip install ray)"
+)
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError(RAY_MISSING) from None
+    return ray
+
+
+class RayWorker:
+    """The actor body: a ``Worker`` plus what the driver asks before it exists."""
+
+    def __init__(self, config: EngineConfig, rank: int, world_size: int):
+        os.environ.update(config.worker_env)
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.worker: Worker | None = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self, host: str) -> int:
+        return free_port(host)
+
+    def start(self, init_method: str):
+        # Ray makes CUDA_VISIBLE_DEVICES hold this actor's GPU only: it is cuda:0 here.
+        self.worker = Worker(self.config, self.rank, self.world_size, init_method, local_rank=0)
+        if self.worker.device().startswith("cpu"):
+            limit_threads(self.world_size)
+        return self.worker.start()
+
+    def call(self, method: str, *args: Any) -> Any:
+        return getattr(self.worker, method)(*args)
+
+
+class RayExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        ray = import_ray()
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.config = config
+        self.closed = False
+        self.actors: list[Any] = []
+        self.placement_group = None
+        self._remove_pg = remove_placement_group
+        self._pending: list[Any] = []
+        self.num_steps = 0
+        self.owns_ray = not ray.is_initialized()
+        if self.owns_ray:
+            ray.init(include_dashboard=False, log_to_driver=False)
+        world = config.tensor_parallel_size
+        use_gpu = (config.device or ("cuda" if _cuda() else "cpu")).startswith("cuda")
+        bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
+        try:
+            self.placement_group = placement_group([dict(bundle)] * world, strategy="PACK")
+            try:
+                ray.get(self.placement_group.ready(), timeout=config.startup_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise ExecutorError(
+                    f"Ray could not place {world} workers of {bundle} within "
+                    f"{config.startup_timeout_s:.0f} s; the cluster has "
+                    f"{ray.cluster_resources()}"
+                ) from None
+            actor_cls = ray.remote(RayWorker)
+            for rank in range(world):
+                self.actors.append(
+                    actor_cls.options(
+                        num_cpus=bundle["CPU"],
+                        num_gpus=bundle.get("GPU", 0),
+                        scheduling_strategy=PlacementGroupSchedulingStrategy(
+                            placement_group=self.placement_group,
+                            placement_group_bundle_index=rank,
+                        ),
+                        runtime_env={"env_vars": dict(config.worker_env)},
+                    ).remote(config, rank, world)
+                )
+            ips = self._get([a.node_ip.remote() for a in self.actors], 300, "start-up")
+            host = LOOPBACK if len(set(ips.values())) == 1 else ips[0]
+            port = self._get([self.actors[0].free_port.remote(host)], 300, "start-up")[0]
+            init_method = f"tcp://{host}:{port}"
+            logger.info(
+                "Ray workers on %s; process group at %s", sorted(set(ips.values())), init_method
+            )
+            infos = self._get(
+                [a.start.remote(init_method) for a in self.actors],
+                config.startup_timeout_s,
+                "start-up",
+            )
+        except BaseException:
+            self.shutdown()
+            raise
+        self.workers_info = [infos[r] for r in range(world)]
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self.closed:
+            raise ExecutorError("the executor is shut down (after a failure or shutdown())")
+        ray = import_ray()
+        ref = ray.put(scheduler_output)  # serialised once, read by every actor
+        self._pending = [a.call.remote("step", ref) for a in self.actors]
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        pending, self._pending = self._pending, []
+        results = self._get(pending, self.config.step_timeout_s, "a step")
+        self.num_steps += 1
+        return results[0]
+
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), ranks: Sequence[int] | None = None
+    ) -> list[Any]:
+        if self.closed:
+            raise ExecutorError("the executor is shut down (after a failure or shutdown())")
+        ranks = list(range(self.world_size)) if ranks is None else list(ranks)
+        refs = [self.actors[r].call.remote(method, *args) for r in ranks]
+        results = self._get(refs, self.config.step_timeout_s, f"{method}()", ranks)
+        return [results[r] for r in ranks]
+
+    def _get(
+        self, refs: list[Any], timeout: float, what: str, ranks: Sequence[int] | None = None
+    ) -> dict[int, Any]:
+        """Results by rank; the first failure (in completion order) fails the executor."""
+        ray = import_ray()
+        rank_of = dict(zip(refs, ranks if ranks is not None else range(len(refs)), strict=True))
+        pending = list(refs)
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout
+        while pending:
+            remaining = deadline - time.monotonic()
+            ready, pending = (
+                ray.wait(pending, num_returns=1, timeout=remaining) if remaining > 0 else ([], [])
+            )
+            if not ready:
+                missing = sorted(rank_of[r] for r in refs if rank_of[r] not in results)
+                raise self._fail(
+                    ExecutorError(
+                        f"no reply from rank(s) {missing} within {timeout:.0f} s of {what}"
+                    )
+                )
+            for ref in ready:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    raise self._fail(
+                        WorkerDiedError(rank, f"its Ray actor died ({_first_line(e)})")
+                    ) from None
+                except ray.exceptions.RayTaskError as e:
+                    cause = getattr(e, "cause", None)
+                    summary = error_summary(cause) if cause is not None else _first_line(e)
+                    raise self._fail(WorkerDiedError(rank, summary)) from None
+        return results
+
+    def _fail(self, error: Exception) -> Exception:
+        logger.error("%s; stopping all %d workers", error, self.world_size)
+        self.shutdown()
+        return error
+
+    def shutdown(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        ray = import_ray()
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # already dead
+                pass
+        if self.placement_group is not None:
+            try:
+                self._remove_pg(self.placement_group)
+            except Exception:
+                pass
+        if self.owns_ray:
+            ray.shutdown()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

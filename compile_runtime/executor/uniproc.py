@@ -1,0 +1,43 @@
+"""``UniProcExecutor``: the one runner lives in the calling process."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from compile_runtime.executor.base import EngineConfig, Executor
+from compile_runtime.executor.worker import Worker
+from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, config: EngineConfig):
+        if config.tensor_parallel_size != 1:
+            raise ValueError(
+                f"UniProcExecutor runs one rank; tensor_parallel_size="
+                f"{config.tensor_parallel_size} needs the 'mp' or 'ray' executor"
+            )
+        self.config = config
+        self.worker = Worker(config, rank=0, world_size=1, init_method=None)
+        self.workers_info = [self.worker.start()]
+
+    @property
+    def driver_runner(self):
+        return self.worker.runner
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        self.worker.runner.execute_model(scheduler_output)
+
+    def sample_tokens(self) -> ModelRunnerOutput:
+        return self.worker.runner.sample_tokens()
+
+    def collective_rpc(
+        self, method: str, args: Sequence[Any] = (), ranks: Sequence[int] | None = None
+    ) -> list[Any]:
+        return [getattr(self.worker, method)(*args) for _ in (ranks if ranks is not None else [0])]
+
+    def workload(self):
+        return self.worker.runner.workload
+
+    def shutdown(self) -> None:
+        pass

@@ -1,0 +1,201 @@
+"""One rank: its process group membership, its model runner, its step loop.
+
+``Worker`` is the same object under every executor (in this process, in a
+spawned process, in a Ray actor). ``worker_main`` is the entry point of a
+``MultiprocExecutor`` process: start up, report, then serve one message per
+step from the driver's pipe until told to stop or the driver goes away.
+
+Message protocol on the pipe (driver -> worker), pickled once per step by
+the driver and written to every worker: ``(method, args, reply_ranks)``.
+Worker -> driver: ``("ready", WorkerInfo)``, ``("ok", result)`` when this
+rank is in ``reply_ranks``, ``("error", summary, traceback, time)`` on any
+failure, after which the worker exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from compile_runtime.executor.base import EngineConfig, WorkerInfo, counter_snapshot
+from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class InjectedFault(RuntimeError):
+    """Raised by ``Worker.inject_fault`` (tests of the failure path)."""
+
+
+class Worker:
+    def __init__(
+        self,
+        config: EngineConfig,
+        rank: int,
+        world_size: int,
+        init_method: str | None,
+        local_rank: int | None = None,
+    ):
+        self.config = config
+        self.rank = rank
+        self.world_size = world_size
+        self.init_method = init_method
+        self.local_rank = rank if local_rank is None else local_rank
+        self.runner = None
+        self.steps = 0
+        self._fault: tuple[int, str] | None = None
+
+    def device(self) -> str:
+        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.device(device).type == "cuda" and torch.device(device).index is None:
+            return f"cuda:{self.local_rank}"
+        return device
+
+    def start(self) -> WorkerInfo:
+        """Join the group, load this rank's weights, compile, size the KV cache, capture."""
+        from compile_runtime.distributed import default_backend, init_distributed
+        from compile_runtime.runner.model_runner import ModelRunner
+
+        before = counter_snapshot()
+        device = self.device()
+        if torch.device(device).type == "cuda":
+            torch.cuda.set_device(torch.device(device))
+        if self.init_method is not None:
+            init_distributed(
+                self.rank,
+                self.world_size,
+                self.init_method,
+                backend=default_backend(device),
+            )
+        c = self.config
+        self.runner = ModelRunner(
+            c.model_dir,
+            c.compilation_config,
+            c.runner_config,
+            dtype=c.dtype,
+            device=device,
+            use_transformers=c.use_transformers,
+        )
+        self.runner.initialize()
+        after = counter_snapshot()
+        return WorkerInfo(
+            rank=self.rank,
+            pid=os.getpid(),
+            hostname=socket.gethostname(),
+            num_blocks=self.runner.num_blocks,
+            load_seconds=self.runner.load_seconds,
+            compile_seconds=self.runner.compile_seconds,
+            counters={k: after[k] - before[k] for k in after},
+        )
+
+    def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply one scheduler step and sample; only rank 0 returns the tokens."""
+        self.steps += 1
+        if self._fault is not None and self.steps >= self._fault[0]:
+            raise InjectedFault(self._fault[1])
+        self.runner.execute_model(scheduler_output)
+        output = self.runner.sample_tokens()
+        return output if self.rank == 0 else None
+
+    def workload(self):
+        return self.runner.workload
+
+    def counters(self) -> dict[str, int]:
+        return counter_snapshot()
+
+    def info(self) -> dict[str, Any]:
+        return {"rank": self.rank, "pid": os.getpid(), "steps": self.steps}
+
+    def inject_fault(self, at_step: int, message: str) -> None:
+        """Make step number ``at_step`` (counting from the start) raise ``InjectedFault``."""
+        self._fault = (at_step, message)
+
+    def shutdown(self) -> None:
+        from compile_runtime.distributed import destroy_distributed
+
+        destroy_distributed()
+
+
+def error_summary(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def limit_threads(world_size: int) -> None:
+    """Share this machine's cores between the ranks on it (CPU runs only)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // world_size))
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel kills this process when the driver dies, so no worker is orphaned."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(
+    config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Any, parent_pid: int
+) -> None:
+    """Entry point of one ``MultiprocExecutor`` worker process."""
+    _die_with_parent()
+    if os.getppid() != parent_pid:  # the driver died before we set the signal
+        return
+    os.environ.update(config.worker_env)
+    logging.basicConfig(
+        level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
+    )
+    worker = Worker(config, rank, world_size, init_method)
+    if torch.device(worker.device()).type == "cpu":
+        limit_threads(world_size)
+    try:
+        start = time.perf_counter()
+        info = worker.start()
+        logger.info("rank %d ready in %.1f s", rank, time.perf_counter() - start)
+        conn.send(("ready", info))
+    except BaseException as e:  # report, then exit: the driver names the rank and the cause
+        _report(conn, e)
+        os._exit(1)
+    while True:
+        try:
+            method, args, reply_ranks = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):  # the driver is gone
+            os._exit(0)
+        if method == "shutdown":
+            break
+        try:
+            result = getattr(worker, method)(*args)
+            if rank in reply_ranks:
+                conn.send(("ok", result))
+        except BaseException as e:
+            _report(conn, e)
+            os._exit(1)
+    try:
+        worker.shutdown()
+    finally:
+        conn.close()
+
+
+def _report(conn: Any, e: BaseException) -> None:
+    try:
+        conn.send(("error", error_summary(e), traceback.format_exc(), time.time()))
+        conn.close()
+    except OSError:
+        pass
