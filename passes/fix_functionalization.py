@@ -69,7 +69,7 @@ def _is_getitem(node: torch.fx.Node) -> bool:
 
 def _parent_view(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor ``node`` is a view of, or None if it is not a view."""
-    if is_op(node, *VIEW_OPS) and isinstance(node.args[0], torch.fx.Node):
+    if is_op(node, *VIEW_OPS, *MULTI_VIEW_OPS) and isinstance(node.args[0], torch.fx.Node):
         return node.args[0]
     if _is_getitem(node) and is_op(node.args[0], *MULTI_VIEW_OPS):
         return node.args[0]

@@ -532,22 +532,38 @@ def test_fix_functionalization_restores_an_inplace_op_of_the_model():
     check_numerics(inplace_rotary, gm, args)
 
 
-def test_fix_functionalization_keeps_the_copy_when_the_old_value_is_read():
-    def fn(x, w, positions, cos, sin):
-        q, k, v = (x @ w).split([H * D, KV * D, KV * D], dim=-1)
-        q = q.view(x.shape[0], H, D)
-        rotated = rotate(positions, q, cos, sin)
-        return rotated, q * 2  # q before rotation is read after the rotary
+def read_q_after(x, w, positions, cos, sin):
+    q, k, v = (x @ w).split([H * D, KV * D, KV * D], dim=-1)
+    q = q.view(x.shape[0], H, D)
+    return rotate(positions, q, cos, sin), q * 2  # q before rotation, read after the rotary
 
+
+def read_qkv_after(x, w, positions, cos, sin):
+    qkv = x @ w
+    q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+    q = q.view(x.shape[0], H, D)
+    return rotate(positions, q, cos, sin), qkv * 2  # the whole buffer, read after the rotary
+
+
+def read_v_after(x, w, positions, cos, sin):
+    q, k, v = (x @ w).split([H * D, KV * D, KV * D], dim=-1)
+    q = q.view(x.shape[0], H, D)
+    return rotate(positions, q, cos, sin), v * 2  # another part of the split: no overlap
+
+
+@pytest.mark.parametrize(
+    "fn,fixed", [(read_q_after, 0), (read_qkv_after, 0), (read_v_after, 1)], ids=["q", "qkv", "v"]
+)
+def test_fix_functionalization_keeps_the_copy_when_the_old_value_is_read(fn, fixed):
     args = rotary_args()[:2] + rotary_args()[3:]
     gm = post_grad(fn, *args)
     assert RotaryFusionPass().run(gm.graph) == 1
     PostCleanupPass().run(gm.graph)
-    # Move the reader of the old q after the op, where an in-place call would corrupt it.
+    # Move the reader after the op, where an in-place call would change what it reads.
     (af,) = [n for n in gm.graph.nodes if n.target is auto_functionalized]
     (mul,) = [n for n in gm.graph.nodes if n.target is aten.mul.Tensor and n.args[1] == 2]
     af.append(mul)
-    assert FixFunctionalizationPass().run(gm.graph) == 0
+    assert FixFunctionalizationPass().run(gm.graph) == fixed
     check_numerics(fn, gm, args)
 
 
