@@ -568,6 +568,8 @@ def check_model_dir(
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
     model = load_model(
         model_dir, config, dtype=dtype, device=device, use_transformers=use_transformers
     )

@@ -218,3 +218,23 @@ def test_plan_sizes_cli_bad_arguments_exit_2(argv, capsys):
         main(argv)
     assert info.value.code == 2
     assert "error" in capsys.readouterr().err
+
+
+def test_recorded_generation_plans_the_sizes_of_the_next_start(model_dirs, tmp_path):
+    from compile_runtime.runner.llm import LLM
+    from compile_runtime.runner.sampling_params import SamplingParams
+
+    model = model_dirs("llama")
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=64)
+    llm = LLM(model, {"backend": "eager"}, **kw)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate([[5, 6, 7], list(range(10, 40)), [100]], params, progress=False)
+    path = str(tmp_path / "recorded.json")
+    llm.save_workload(path)
+    histogram = load_workload(path).combined()
+    assert sum(histogram.values()) == llm.last_stats.steps
+
+    planned = cr.CompilationConfig(backend="eager", cudagraph_capture_sizes=f"auto:{path}:2")
+    again = LLM(model, planned, **kw)
+    assert again.runner.dispatcher.capture_sizes == plan_sizes(histogram, 2, 64)
+    assert again.runner.dispatcher.capture_sizes[-1] == max(histogram)

@@ -1,4 +1,11 @@
-"""Capture sizes planned from a recorded workload (``compile-runtime plan-sizes``)."""
+"""Capture sizes planned from a recorded workload (``compile-runtime plan-sizes``).
+
+One list of capture sizes serves both kinds of graph (the dispatcher pads
+uniform decode steps and mixed steps with the same sizes), so plans are made
+over the union of the recorded decode and mixed histograms. Steps above the
+largest size (``--max-size``, default 512) are not planned for: they run
+without a graph and are reported as uncovered.
+"""
 
 from __future__ import annotations
 
