@@ -16,7 +16,13 @@ import compile_runtime.backend as backend_module
 from compile_runtime.cli import main
 from compile_runtime.cudagraph import use_graph_factory
 from compile_runtime.testing import build_transformer
-from compile_runtime.verify import VerifyError, check_model_dir, compare, verify_model
+from compile_runtime.verify import (
+    VerifyError,
+    check_model_dir,
+    compare,
+    tolerance_for,
+    verify_model,
+)
 
 EAGER = cr.CompilationConfig(backend="eager", disable_cache=True)
 
@@ -163,6 +169,15 @@ def test_shared_layer_code_fails_at_its_first_use(wrong_compile):
     assert report.first_failure.index == 2
 
 
+def test_tolerance_follows_the_model_dtype(model_dirs):
+    report = check_model_dir(model_dirs("llama"), EAGER, dtype=torch.bfloat16)
+    assert report.ok and report.dtype == "bfloat16"
+    assert (report.atol, report.rtol) == tolerance_for(torch.bfloat16)
+    assert tolerance_for(torch.bfloat16)[1] > tolerance_for(torch.float32)[1]
+    strict = check_model_dir(model_dirs("llama"), EAGER, atol=0.0, rtol=0.0)
+    assert (strict.atol, strict.rtol) == (0.0, 0.0) and strict.ok  # eager pieces are exact
+
+
 def test_dynamo_trace_once_is_one_piece_covering_the_whole_model():
     config = EAGER.model_copy(update={"mode": cr.CompilationMode.DYNAMO_TRACE_ONCE})
     report = verify_model(build_transformer(config), *batch())
@@ -221,6 +236,9 @@ def test_graph_replays_are_compared_with_the_piece_without_a_graph(bias, ok):
 def test_compare_handles_nan_shape_and_structure():
     a = torch.tensor([1.0, float("nan"), 3.0])
     assert compare(a, a.clone()).max_abs == 0.0
+    inf = torch.tensor([float("inf"), -float("inf"), 1.0])
+    assert compare(inf, inf.clone()).max_abs == 0.0  # equal infinities agree
+    assert math.isinf(compare(inf, torch.ones(3)).max_abs)
     assert math.isinf(compare(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0])).max_abs)
     assert "shape" in compare(torch.zeros(2), torch.zeros(3)).note
     assert "outputs" in compare((torch.zeros(1),), (torch.zeros(1), torch.zeros(1))).note
