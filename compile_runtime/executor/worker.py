@@ -55,8 +55,9 @@ class Worker:
         self._fault: tuple[int, str] | None = None
 
     def device(self) -> str:
+        """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
         device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if torch.device(device).type == "cuda" and torch.device(device).index is None:
+        if self.world_size > 1 and device == "cuda":
             return f"cuda:{self.local_rank}"
         return device
 
@@ -67,7 +68,7 @@ class Worker:
 
         before = counter_snapshot()
         device = self.device()
-        if torch.device(device).type == "cuda":
+        if torch.device(device).index is not None:
             torch.cuda.set_device(torch.device(device))
         if self.init_method is not None:
             init_distributed(
