@@ -78,5 +78,16 @@ else
     echo "only ${left}s left: skipping the attention benchmark"
 fi
 
+echo "== graph passes (per-step latency, passes on vs off)"
+left=$((BUDGET - SECONDS))
+if [ "$left" -ge 60 ]; then
+    timeout "$left" $PY $PYFLAGS benchmarks/passes.py --device cuda \
+        --out "$OUT_DIR/passes.json" 2>&1 | tee "$OUT_DIR/passes_bench.log"
+    rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && { echo "passes benchmark exit code $rc"; status=1; }
+else
+    echo "only ${left}s left: skipping the passes benchmark"
+fi
+
 echo "== done in ${SECONDS}s, status $status"
 exit $status
