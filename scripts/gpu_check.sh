@@ -56,38 +56,29 @@ timeout $((BUDGET * 45 / 100)) $PY $PYFLAGS -m pytest -m cuda -q -p no:cacheprov
 rc=${PIPESTATUS[0]}
 [ "$rc" -ne 0 ] && { echo "pytest exit code $rc"; status=1; }
 
-echo "== latency benchmark"
-left=$((BUDGET - SECONDS))
-if [ "$left" -lt 60 ]; then
-    echo "only ${left}s left: skipping the benchmark"
-    exit 1
-fi
-timeout "$left" $PY $PYFLAGS benchmarks/gpu_latency.py --iters 100 --warmup 10 \
-    --out "$OUT_DIR/gpu_latency.json" 2>&1 | tee "$OUT_DIR/bench.log"
-rc=${PIPESTATUS[0]}
-[ "$rc" -ne 0 ] && { echo "benchmark exit code $rc (partial results stay in gpu_latency.json)"; status=1; }
+# bench NAME SCRIPT ARGS...: run one benchmark with the time left, its log and
+# JSON under $OUT_DIR; a failure marks the check failed but the others still run.
+bench() {
+    local name=$1 script=$2
+    shift 2
+    echo "== $name"
+    local left=$((BUDGET - SECONDS))
+    if [ "$left" -lt 60 ]; then
+        echo "only ${left}s left: skipping $name"
+        status=1
+        return
+    fi
+    timeout "$left" $PY $PYFLAGS "$script" "$@" --out "$OUT_DIR/$name.json" 2>&1 | tee "$OUT_DIR/$name.log"
+    local rc=${PIPESTATUS[0]}
+    [ "$rc" -ne 0 ] && { echo "$name exit code $rc (partial results stay in $name.json)"; status=1; }
+}
 
-echo "== attention backends (decode latency, eager vs graph)"
-left=$((BUDGET - SECONDS))
-if [ "$left" -ge 60 ]; then
-    timeout "$left" $PY $PYFLAGS benchmarks/attention.py --iters 100 --warmup 10 \
-        --out "$OUT_DIR/attention.json" 2>&1 | tee "$OUT_DIR/attention_bench.log"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" -ne 0 ] && { echo "attention benchmark exit code $rc"; status=1; }
-else
-    echo "only ${left}s left: skipping the attention benchmark"
-fi
-
-echo "== graph passes (per-step latency, passes on vs off)"
-left=$((BUDGET - SECONDS))
-if [ "$left" -ge 60 ]; then
-    timeout "$left" $PY $PYFLAGS benchmarks/passes.py --device cuda \
-        --out "$OUT_DIR/passes.json" 2>&1 | tee "$OUT_DIR/passes_bench.log"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" -ne 0 ] && { echo "passes benchmark exit code $rc"; status=1; }
-else
-    echo "only ${left}s left: skipping the passes benchmark"
-fi
+# Latency of eager / PIECEWISE / FULL / reduce-overhead; attention backends
+# (decode, eager vs graph); passes on vs off; default ladder vs planned sizes.
+bench gpu_latency benchmarks/gpu_latency.py --iters 100 --warmup 10
+bench attention benchmarks/attention.py --iters 100 --warmup 10
+bench passes benchmarks/passes.py --device cuda
+bench padding benchmarks/padding.py --latency --latency-steps 200
 
 echo "== done in ${SECONDS}s, status $status"
 exit $status

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from toy_models import build
-from compile_runtime.testing import build_transformer
 
 import compile_runtime as cr
+from compile_runtime.testing import build_transformer
 
 counter = cr.compilation_counter
 INDUCTOR = cr.CompilationConfig(backend="inductor")
