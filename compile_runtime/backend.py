@@ -138,6 +138,15 @@ class CompilerBackend:
             _key_only_seen[-1].append(self.compute_key_factors(gm, fake_args))
             return gm.forward
         self.cache = self._open_cache(gm, fake_args)
+        try:
+            return self._split_and_compile(gm, fake_mode, fake_args, start)
+        finally:
+            if self.cache is not None:
+                self.cache.release()
+
+    def _split_and_compile(
+        self, gm: torch.fx.GraphModule, fake_mode: Any, fake_args: list[Any], start: float
+    ) -> torch.fx.GraphModule:
         gm = self.pass_manager(gm)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
         compilation_counter.num_piecewise_graphs_seen += len(pieces)

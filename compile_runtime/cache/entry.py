@@ -28,7 +28,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from compile_runtime.backends.compiler import CompiledPiece, CompilerAdaptor
 from compile_runtime.cache.files import file_sha256, read_json, write_atomic, write_json
@@ -46,6 +46,8 @@ GRAPH = "computation_graph.py"
 ARTIFACTS = "artifacts"
 QUARANTINE = "quarantine"
 LOCK = ".lock"
+RANK0_LOCK = ".rank_0-compiling.lock"
+RANK_WAIT_SECONDS = 900
 
 
 def shape_name(shape: int | None) -> str:
@@ -118,18 +120,53 @@ class CacheEntry:
         self.new_index: dict[str, dict[str, Any]] = {}
         self.num_loaded = 0
         self.num_compiled = 0
+        # Ranks compile the same pieces wherever the artifact does not depend on
+        # the rank: on a cold start rank 0 compiles while holding a lock, and the
+        # other ranks wait for it and then take what rank 0 stored.
+        self.other_ranks: dict[str, dict[str, Any]] = {}
+        self._rank0_lock: FileLock | None = None
+        if not self.index:
+            os.makedirs(self.key_dir, exist_ok=True)
+            lock = FileLock(os.path.join(self.key_dir, RANK0_LOCK))
+            if rank == 0:
+                lock.acquire()
+                self._rank0_lock = lock
+            else:
+                try:
+                    with lock.acquire(timeout=RANK_WAIT_SECONDS):
+                        pass
+                except Timeout:
+                    logger.warning(
+                        "rank %d: rank 0 still compiling after %d s", rank, RANK_WAIT_SECONDS
+                    )
+                self.other_ranks = self._read_other_ranks(rank)
 
-    @property
-    def existed(self) -> bool:
-        return bool(self.index)
+    def _read_other_ranks(self, rank: int) -> dict[str, dict[str, Any]]:
+        records: dict[str, dict[str, Any]] = {}
+        for name in sorted(os.listdir(self.key_dir)):
+            path = os.path.join(self.key_dir, name, self.model_tag, INDEX)
+            if name.startswith("rank_") and name != f"rank_{rank}" and os.path.exists(path):
+                try:
+                    records.update(read_json(path)["artifacts"])
+                except (ValueError, KeyError):
+                    continue
+        return records
+
+    def release(self) -> None:
+        """Let waiting ranks go on (after commit, or when compiling failed)."""
+        if self._rank0_lock is not None:
+            self._rank0_lock.release()
+            self._rank0_lock = None
 
     def load(self, piece_hash: str, shape: int | None) -> Callable[..., Any] | None:
         """The saved callable for this piece and shape, or None (a miss)."""
         key = index_key(piece_hash, shape, self.adaptor.name)
         record = self.index.get(key)
         if record is None:
-            compilation_counter.num_cache_misses += 1
-            return None
+            record = self.other_ranks.get(key)
+            if record is None or verify_record(self.key_dir, record) is not None:
+                compilation_counter.num_cache_misses += 1
+                return None
         problem = verify_record(self.key_dir, record)
         fn = None
         if problem is None:
@@ -211,6 +248,7 @@ class CacheEntry:
             meta["model_tag"] = self.model_tag
             write_json(meta_path, meta)
             write_atomic(os.path.join(self.dir, GRAPH), graph_code.encode())
+        self.release()
 
     def _quarantine(self, reason: str, bad_artifact: str | None = None) -> None:
         if os.path.isdir(self.dir):
