@@ -39,11 +39,10 @@ def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(length + i % 5)] for i in range(n)]
 
 
-def bench(model_dir: str, name: str, max_tokens: int) -> dict:
+def bench(model_dir: str, name: str, max_tokens: int, cache_dir: str) -> dict:
     start = time.perf_counter()
-    llm = cr.LLM(
-        model_dir, CONFIGS[name], max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256
-    )
+    config = {**CONFIGS[name], "cache_dir": cache_dir}
+    llm = cr.LLM(model_dir, config, max_num_seqs=32, max_num_batched_tokens=512, max_model_len=256)
     startup = time.perf_counter() - start
     params = cr.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts(2, 8, MODEL["vocab_size"]), params, progress=False)  # warm-up
