@@ -34,6 +34,8 @@ def _generate(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         use_transformers=args.use_transformers,
+        tensor_parallel_size=args.tensor_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
     )
     params = SamplingParams(
         temperature=args.temperature,
@@ -43,18 +45,20 @@ def _generate(args: argparse.Namespace) -> int:
         seed=args.seed,
         ignore_eos=args.ignore_eos,
     )
-    outputs = llm.generate(args.prompt, params)
-    for prompt, out in zip(args.prompt, outputs, strict=True):
-        text = out.text if out.text is not None else out.token_ids
-        print(f"{prompt!r} -> {text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
-    stats = llm.last_stats
-    print(
-        f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s ({stats.tokens_per_second:.1f} "
-        f"tok/s), {stats.steps} steps; compile {llm.runner.compile_seconds:.2f} s"
-    )
-    if args.record_workload:
-        llm.save_workload(args.record_workload)
-        print(f"# workload histogram written to {args.record_workload}")
+    with llm:  # stops the workers of a multi-process run, whatever happens
+        outputs = llm.generate(args.prompt, params)
+        for prompt, out in zip(args.prompt, outputs, strict=True):
+            text = out.text if out.text is not None else out.token_ids
+            print(f"{prompt!r} -> {text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+        stats = llm.last_stats
+        print(
+            f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s "
+            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps; "
+            f"compile {llm.compile_seconds:.2f} s"
+        )
+        if args.record_workload:
+            llm.save_workload(args.record_workload)
+            print(f"# workload histogram written to {args.record_workload}")
     return 0
 
 
@@ -91,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-num-seqs", type=int, default=16)
     gen.add_argument("--max-num-batched-tokens", type=int, default=256)
     gen.add_argument("--use-transformers", action="store_true", help="run through the adapter")
+    gen.add_argument("--tensor-parallel-size", type=int, default=1)
+    gen.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
     gen.set_defaults(func=_generate)
 

@@ -189,3 +189,60 @@ def test_cli_list_show_prune_clear(warm_cache, tmp_path):
 def test_cli_bad_arguments_exit_2(args, tmp_path):
     out = cli(args[0], "--cache-dir", str(tmp_path), *args[1:])
     assert out.returncode == 2 and out.stderr
+
+
+def test_explain_model_says_hit_or_names_the_changed_field(model_dirs, tmp_path):
+    """`explain --model` traces without compiling; keys do not depend on the working directory."""
+    model_dir = model_dirs("llama")
+    cache = str(tmp_path / "c")
+    gen = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compile_runtime.cli",
+            "generate",
+            "--model",
+            model_dir,
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "2",
+            "-O",
+            json.dumps({"cache_dir": cache}),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert gen.returncode == 0, gen.stderr[-2000:]
+    hit = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compile_runtime.cli",
+            "cache",
+            "--cache-dir",
+            cache,
+            "explain",
+            "--model",
+            model_dir,
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        cwd="/",
+    )
+    assert hit.returncode == 0, hit.stderr[-2000:]
+    assert json.loads(hit.stdout)["hit"] is True
+    miss = cli(
+        "cache",
+        "--cache-dir",
+        cache,
+        "explain",
+        "--model",
+        model_dir,
+        "--config",
+        '{"compile_sizes": [8]}',
+    )
+    assert miss.returncode == 0 and miss.stdout.startswith("would miss")
+    assert "config.compile_sizes" in miss.stdout

@@ -14,7 +14,6 @@ import functools
 import hashlib
 import json
 import os
-import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,13 +52,18 @@ def _file_digest(path: str, mtime: float) -> str:
 
 
 def portable_name(path: str) -> str:
-    """``path`` relative to the import root that holds it (``pkg/mod.py``), never absolute."""
+    """``path`` as its package sees it (``pkg/sub/mod.py``): the same from any directory.
+
+    Walks up while the directory is a package (has ``__init__.py``); a file
+    outside any package is named by its file name.
+    """
     path = os.path.abspath(path)
-    roots = sorted((os.path.abspath(p) for p in sys.path if p), key=len, reverse=True)
-    for root in roots:
-        if path.startswith(root + os.sep):
-            return os.path.relpath(path, root)
-    return os.path.basename(path)
+    parts = [os.path.basename(path)]
+    directory = os.path.dirname(path)
+    while os.path.exists(os.path.join(directory, "__init__.py")):
+        parts.append(os.path.basename(directory))
+        directory = os.path.dirname(directory)
+    return "/".join(reversed(parts))
 
 
 def source_digests(filenames: Iterable[str]) -> dict[str, str]:
