@@ -16,6 +16,8 @@ import statistics
 import tempfile
 import time
 
+from llama_33m import MODEL, prompts
+
 import compile_runtime as cr
 from compile_runtime.tiny_models import make_model_dir
 
@@ -24,19 +26,6 @@ CONFIGS = {
     "stock": {"mode": "STOCK_TORCH_COMPILE"},
     "piecewise": {"mode": "PIECEWISE", "backend": "inductor"},
 }
-MODEL = dict(
-    hidden_size=512,
-    intermediate_size=1536,
-    num_hidden_layers=8,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=8192,
-    max_position_embeddings=1024,
-)
-
-
-def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
-    return [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(length + i % 5)] for i in range(n)]
 
 
 def bench(model_dir: str, name: str, max_tokens: int, cache_dir: str) -> dict:

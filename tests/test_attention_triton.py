@@ -11,15 +11,13 @@ runs them directly.
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from compile_runtime.backends.attention.triton_attn import interpreter_enabled
 from hypothesis import given, settings
 from test_attention import batch_shapes, run_backend, spec_of
+from triton_interpreter import run_interpreted
 
 from compile_runtime.attention import AttentionSpec
 from compile_runtime.attention.testing import make_paged_batch
@@ -32,17 +30,7 @@ needs_interpreter = pytest.mark.skipif(
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 @pytest.mark.skipif(interpreter_enabled(), reason="already running interpreted")
 def test_triton_cases_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
-    assert "runs in the TRITON_INTERPRET=1 subprocess" not in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, skip_reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def assert_matches_torch_native(batch, spec, **build_kwargs):

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_interpreter import run_interpreted
 
 from compile_runtime.ops.fused import (
     _rms_norm_torch,
@@ -46,17 +45,7 @@ def tolerance(dtype: torch.dtype) -> dict:
 @pytest.mark.skipif(INTERPRETING or torch.cuda.is_available(), reason="kernels run directly")
 @pytest.mark.slow
 def test_kernels_in_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-x", "-rs", "-p", "no:cacheprovider", __file__],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-3000:]
-    assert " passed" in result.stdout, result.stdout[-2000:]
-    assert "runs in the TRITON_INTERPRET=1 subprocess" not in result.stdout, result.stdout[-2000:]
+    run_interpreted(__file__, skip_reason="runs in the TRITON_INTERPRET=1 subprocess")
 
 
 def rand(*shape, dtype=torch.float32, seed=0):
