@@ -15,6 +15,7 @@ import argparse
 import logging
 
 import compile_runtime as cr
+from compile_runtime.table import format_table
 from compile_runtime.tiny_models import make_model_dir
 
 PROMPTS = [
@@ -33,12 +34,16 @@ def run(model_dir: str, config: dict, max_tokens: int) -> tuple[list, dict]:
     outputs = llm.generate(PROMPTS, params, progress=False)
     stats = llm.last_stats
     counter = cr.compilation_counter
+    loaded = counter.num_compiled_artifacts_loaded - before.num_compiled_artifacts_loaded
+    saved = counter.num_compiled_artifacts_saved - before.num_compiled_artifacts_saved
+    cache = "-" if not (loaded or saved) else ("warm" if loaded and not saved else "cold")
     return outputs, {
         "tokens/s": f"{stats.tokens_per_second:.1f}",
         "first token ms": f"{1000 * min(stats.first_token_seconds):.1f}",
         "compile s": f"{llm.compile_seconds:.1f}",
         "traces": counter.num_graphs_seen - before.num_graphs_seen,
         "compiles": counter.num_backend_compilations - before.num_backend_compilations,
+        "cache": f"{cache} ({loaded} loaded, {saved} saved)" if cache != "-" else "-",
     }
 
 
@@ -70,10 +75,7 @@ def main() -> None:
     same = [a.token_ids == b.token_ids for a, b in zip(*results.values(), strict=True)]
     print()
     columns = list(next(iter(rows.values())))
-    print(f"| {'configuration':32} | " + " | ".join(f"{c:>14}" for c in columns) + " |")
-    print(f"|{'-' * 34}|" + "|".join("-" * 16 for _ in columns) + "|")
-    for name, row in rows.items():
-        print(f"| {name:32} | " + " | ".join(f"{row[c]!s:>14}" for c in columns) + " |")
+    print(format_table(["configuration", *columns], [[n, *r.values()] for n, r in rows.items()]))
     print(f"\ngreedy tokens identical across configurations: {all(same)}")
     for prompt, out in zip(PROMPTS, results["compiled (PIECEWISE, inductor)"], strict=True):
         print(f"  {prompt[:40]!r:44} -> {out.text[:60]!r}")
