@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
-import tempfile
 import time
+
+from fresh_process import run_child
 
 TOKEN_COUNTS = [16, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 17, 24, 31, 32, 33, 48, 64, 100, 128]
 VARIANTS = ["piecewise", "piecewise-nodedup", "stock-dynamic-none", "stock-dynamic-false"]
@@ -90,18 +90,7 @@ def main() -> None:
     rows = []
     for layers in args.layers:
         for variant in args.variants:
-            with tempfile.TemporaryDirectory() as cache:
-                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
-                proc = subprocess.run(
-                    [sys.executable, __file__, "--child", variant, str(layers)],
-                    capture_output=True,
-                    text=True,
-                    env=env,
-                )
-            if proc.returncode != 0:
-                print(proc.stderr[-2000:], file=sys.stderr)
-                raise SystemExit(f"{variant} with {layers} layers failed")
-            rows.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+            rows.append(run_child(__file__, variant, str(layers)))
             print(rows[-1], file=sys.stderr)
 
     header = "| layers | variant | first call s | 20 sizes s | Dynamo traces | Inductor compiles |"

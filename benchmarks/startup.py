@@ -14,10 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
+
+from fresh_process import run_child
 
 
 def child(cache_dir: str, num_layers: int) -> dict:
@@ -52,20 +53,6 @@ def child(cache_dir: str, num_layers: int) -> dict:
     }
 
 
-def run(cache_dir: str, num_layers: int) -> dict:
-    with tempfile.TemporaryDirectory() as inductor_cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache)
-        proc = subprocess.run(
-            [sys.executable, __file__, "--child", cache_dir, str(num_layers)],
-            capture_output=True,
-            text=True,
-            env=env,
-        )
-    if proc.returncode:
-        raise SystemExit(proc.stderr[-3000:])
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -84,7 +71,7 @@ def main() -> None:
     for layers in args.layers:
         with tempfile.TemporaryDirectory() as cache:
             for start in ("cold", "warm"):
-                r = run(cache, layers)
+                r = run_child(__file__, cache, str(layers))
                 rows.append({"layers": layers, "start": start, **r})
                 print(rows[-1], file=sys.stderr)
     headers = [
