@@ -1,4 +1,4 @@
-"""Attention on CPU: torch_native against dense attention, padding, the builder, the layer
+"""Attention on CPU: torch_native and cpu_batched against dense attention, padding, the builder, the layer
 through the compiler, the KV cache helpers, and backend selection."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from compile_runtime.backends.attention import (
     min_cg_support,
     use_attn_backend,
 )
+from compile_runtime.backends.attention.cpu_batched import CPUBatchedBackend
 from compile_runtime.backends.attention.flashinfer_attn import FlashInferBackend
 from compile_runtime.backends.attention.registry import ENV_VAR
 from compile_runtime.backends.attention.torch_native import TorchNativeBackend
@@ -116,30 +117,99 @@ def spec_of(shape: dict, sliding_window: int | None = None) -> AttentionSpec:
     )
 
 
-# ---- torch_native against dense attention ------------------------------------
+# ---- CPU backends against dense attention ------------------------------------
+
+CPU_BACKENDS = ["torch_native", "cpu_batched"]
 
 
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @settings(max_examples=60, deadline=None)
-@given(shape=batch_shapes())
-def test_torch_native_matches_dense_reference(shape):
+@given(shape=batch_shapes(), window=st.sampled_from([None, None, 1, 5, 16, 40]))
+def test_cpu_backend_matches_dense_reference(name, shape, window):
+    """Mixed decodes and prefill chunks over shuffled blocks, padded slots, sliding windows."""
     batch = make_paged_batch(**shape)
-    spec = spec_of(shape)
-    out, cache = run_backend("torch_native", batch, spec)
+    spec = spec_of(shape, window)
+    out, cache = run_backend(name, batch, spec)
     n = batch.num_actual_tokens
-    ref = dense_reference(batch, spec.scale)
+    ref = dense_reference(batch, spec.scale, window)
     assert (out[:n].double() - ref).abs().max() < 1e-5
     assert torch.equal(out[n:], torch.zeros_like(out[n:]))
     assert torch.equal(cache[:, 1:], batch.expected_cache()[:, 1:])  # all but the null block
 
 
+@pytest.mark.parametrize("name", CPU_BACKENDS)
 @pytest.mark.parametrize("window", [1, 5, 16, 40])
-def test_torch_native_sliding_window(window):
+def test_cpu_backend_sliding_window(name, window):
     batch = make_paged_batch(
         [9, 1, 30], [20, 47, 0], num_heads=4, num_kv_heads=2, head_size=64, block_size=16
     )
     spec = AttentionSpec(4, 2, 64, 0.125, sliding_window=window)
-    out, _ = run_backend("torch_native", batch, spec)
+    out, _ = run_backend(name, batch, spec)
     assert (out.double() - dense_reference(batch, 0.125, window)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize(
+    "query_lens, context_lens",
+    [
+        ([1, 1, 1, 1], [5, 40, 17, 0]),  # decodes only: one call, contiguous outputs
+        ([7, 1, 1, 12, 1], [3, 30, 0, 16, 64]),  # decodes between prefills: scattered outputs
+        ([16, 33], [0, 15]),  # prefills only, padded to the longest chunk
+    ],
+)
+def test_cpu_batched_equals_torch_native(query_lens, context_lens):
+    """The batched backend computes what the per-request reference computes."""
+    batch = make_paged_batch(
+        query_lens,
+        context_lens,
+        num_heads=8,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
+        num_padding=3,
+        seed=7,
+    )
+    spec = AttentionSpec(8, 2, 64, 0.125)
+    ref, ref_cache = run_backend("torch_native", batch, spec)
+    out, cache = run_backend("cpu_batched", batch, spec)
+    assert (out - ref).abs().max() < 1e-5
+    assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_batched_half_precision(dtype):
+    batch = make_paged_batch(
+        [1, 5, 1],
+        [30, 10, 3],
+        num_heads=4,
+        num_kv_heads=2,
+        head_size=64,
+        block_size=16,
+        dtype=dtype,
+    )
+    spec = AttentionSpec(4, 2, 64, 0.125, dtype=dtype)
+    out, _ = run_backend("cpu_batched", batch, spec)
+    assert out.dtype == dtype
+    assert (out.double() - dense_reference(batch, 0.125)).abs().max() < 2e-2
+
+
+def test_cpu_batched_plans_once_per_step():
+    """Planning happens in the builder: every layer of a step reuses one plan."""
+    batch = make_paged_batch(
+        [1, 1, 9], [20, 3, 0], num_heads=4, num_kv_heads=2, head_size=64, block_size=16
+    )
+    spec = AttentionSpec(4, 2, 64, 0.125)
+    builder = CPUBatchedBackend.make_builder(spec, 16, max_num_reqs=8, device="cpu")
+    metadata = builder.build(
+        batch.query_start_loc_cpu,
+        batch.seq_lens_cpu,
+        batch.block_table,
+        batch.slot_mapping.clone(),
+        batch.num_actual_tokens,
+    )
+    plan = metadata.backend_state
+    assert plan.decode.num_reqs == 2 and plan.prefill.num_reqs == 1
+    assert plan.decode.out_tokens == slice(0, 2)
+    assert plan.prefill.max_query_len == 9
 
 
 def test_padded_tokens_never_change_request_blocks():
@@ -306,7 +376,7 @@ def test_layer_with_metadata_needs_a_bound_cache():
 def test_layer_names_are_unique_and_backend_is_held():
     a, b = Attention(2, 32, 0.2, prefix="same"), Attention(2, 32, 0.2, prefix="same")
     assert a.layer_name != b.layer_name
-    assert a.attn_backend is TorchNativeBackend and a.impl.spec == a.spec
+    assert a.attn_backend is CPUBatchedBackend and a.impl.spec == a.spec
 
 
 HIDDEN, HEADS, KV_HEADS, HEAD = 32, 4, 2, 16
@@ -375,9 +445,9 @@ def test_compiled_model_with_paged_cache_matches_dense_per_request():
 # ---- backend selection ---------------------------------------------------------
 
 
-def test_registry_picks_torch_native_on_cpu_and_obeys_names(monkeypatch):
+def test_registry_picks_cpu_batched_on_cpu_and_obeys_names(monkeypatch):
     monkeypatch.delenv(ENV_VAR, raising=False)
-    assert get_attn_backend(device="cpu", dtype=torch.float32, head_size=64) is TorchNativeBackend
+    assert get_attn_backend(device="cpu", dtype=torch.float32, head_size=64) is CPUBatchedBackend
     assert get_attn_backend("torch_native", device="cpu") is TorchNativeBackend
     with pytest.raises(AttentionBackendError, match="choose one of"):
         get_attn_backend("flash-attn")

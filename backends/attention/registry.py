@@ -8,7 +8,9 @@ Order of precedence for the name: the ``name`` argument, then an enclosing
 environment variable, then automatic choice. Automatic choice on CUDA prefers
 ``triton`` (ships with CUDA torch, no just-in-time nvcc, FULL graphs for every
 batch), then ``flashinfer``, then ``torch_native``; on CPU it is
-``torch_native`` (Triton on CPU is the interpreter: tests only).
+``cpu_batched`` (one SDPA call per layer for the whole batch), with
+``torch_native`` as the readable reference (Triton on CPU is the interpreter:
+tests only).
 """
 
 from __future__ import annotations
@@ -30,12 +32,13 @@ ENV_VAR = "COMPILE_RUNTIME_ATTENTION_BACKEND"
 
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("compile_runtime.backends.attention.torch_native", "TorchNativeBackend"),
+    "cpu_batched": ("compile_runtime.backends.attention.cpu_batched", "CPUBatchedBackend"),
     "triton": ("compile_runtime.backends.attention.triton_attn", "TritonBackend"),
     "flashinfer": ("compile_runtime.backends.attention.flashinfer_attn", "FlashInferBackend"),
 }
 _AUTO_ORDER: dict[str, tuple[str, ...]] = {
     "cuda": ("triton", "flashinfer", "torch_native"),
-    "cpu": ("torch_native",),
+    "cpu": ("cpu_batched", "torch_native"),
 }
 _selected: list[str] = []
 

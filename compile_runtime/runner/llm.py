@@ -197,7 +197,7 @@ class LLM:
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
-        with torch.no_grad():
+        with torch.inference_mode():
             while self.scheduler.has_unfinished():
                 step_start = time.perf_counter()
                 so = self.scheduler.schedule()

@@ -138,7 +138,7 @@ class ModelRunner:
     def initialize(self) -> None:
         """Compile (first trace at the largest size), size and bind the KV cache, capture graphs."""
         start = time.perf_counter()
-        with torch.no_grad():
+        with torch.inference_mode():
             self._dummy_forward(self.max_num_tokens)
         self.compile_seconds = time.perf_counter() - start
         self.num_blocks = self._num_kv_blocks()
@@ -157,7 +157,7 @@ class ModelRunner:
             (self.num_blocks - 1) * self.config.block_size,
         )
         if self.dispatcher.capture_descriptors():
-            with torch.no_grad():
+            with torch.inference_mode():
                 self.capture_report = capture(
                     self.forward_model, self._capture_inputs, self.dispatcher
                 )
@@ -298,13 +298,34 @@ class ModelRunner:
         sampling_idx = np.nonzero(done)[0]
         logits_idx = torch.from_numpy(cu[sampling_idx] - 1).to(self.device)
         logits = self.model.compute_logits(hidden[logits_idx])
-        for req_id, n in zip(req_ids, seq_lens, strict=True):
-            batch.num_computed_tokens[batch.requests[req_id].row] = n
+        batch.num_computed_tokens[rows] = seq_lens
         self.execute_state = ExecuteModelState(
             req_ids=req_ids,
             logits=logits,
             sampling_req_ids=[req_ids[i] for i in sampling_idx],
         )
+
+    def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, list]:
+        """Token ids [n] and per-row logprobs (None where not asked for)."""
+        if all(s.sampling_params.plain_argmax for s in states):
+            # Nothing changes the logits: skip building the batch's sampling tensors.
+            return logits.argmax(dim=-1), [None] * len(states)
+        metadata = SamplingMetadata.from_requests(
+            [
+                RequestSamplingState(
+                    params=s.sampling_params,
+                    prompt_token_ids=s.prompt_token_ids,
+                    output_token_ids=s.output_token_ids,
+                    eos_token_id=s.eos_token_id,
+                    generator=s.generator,
+                )
+                for s in states
+            ],
+            vocab_size=logits.shape[-1],
+            device=logits.device,
+        )
+        result = self.sampler(logits, metadata)
+        return result.token_ids, result.logprobs
 
     def sample_tokens(self) -> ModelRunnerOutput:
         state = self.execute_state
@@ -321,27 +342,14 @@ class ModelRunner:
                 sampled[req_id] = (token, None)
         elif state.sampling_req_ids:
             states = [self.input_batch.requests[r] for r in state.sampling_req_ids]
-            metadata = SamplingMetadata.from_requests(
-                [
-                    RequestSamplingState(
-                        params=s.sampling_params,
-                        prompt_token_ids=s.prompt_token_ids,
-                        output_token_ids=s.output_token_ids,
-                        eos_token_id=s.eos_token_id,
-                        generator=s.generator,
-                    )
-                    for s in states
-                ],
-                vocab_size=state.logits.shape[-1],
-                device=state.logits.device,
-            )
-            result = self.sampler(state.logits, metadata)
+            token_ids, logprobs = self._sample(state.logits, states)
             if self.tp_size > 1:
-                broadcast_from_first_rank(result.token_ids.to(torch.long).contiguous())
-            for i, req_id in enumerate(state.sampling_req_ids):
-                token = int(result.token_ids[i])
+                broadcast_from_first_rank(token_ids.to(torch.long).contiguous())
+            for req_id, token, lp in zip(
+                state.sampling_req_ids, token_ids.tolist(), logprobs, strict=True
+            ):
                 self.input_batch.append_token(req_id, token)
-                sampled[req_id] = (token, result.logprobs[i])
+                sampled[req_id] = (token, lp)
         for req_id in state.req_ids:
             token, logprobs = sampled.get(req_id, (None, None))
             output.sampled_token_ids.append(token)

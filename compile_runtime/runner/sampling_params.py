@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -35,3 +37,19 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @functools.cached_property
+    def plain_argmax(self) -> bool:
+        """The token is the argmax of the raw logits: greedy, no knob that changes them.
+
+        The runner skips building sampling tensors for a batch of such requests.
+        """
+        return (
+            self.greedy
+            and self.logprobs is None
+            and self.min_tokens == 0
+            and not self.logit_bias
+            and self.repetition_penalty == 1.0
+            and self.frequency_penalty == 0.0
+            and self.presence_penalty == 0.0
+        )

@@ -1,0 +1,215 @@
+"""Batched paged attention for CPUs: one SDPA call per layer for each group of requests.
+
+``torch_native`` loops over requests in Python; on a CPU that loop, not the math,
+was most of a decode step. Here the metadata builder plans once per step what
+every layer of the step shares (which requests decode and which prefill, where
+their keys live in the cache, the masks), and each layer then does, per group,
+one ``index_select`` of its cached keys/values and one
+``scaled_dot_product_attention``:
+
+* decode group (one query token each): the query heads that share a KV head
+  become SDPA's query length, ``[reqs, kv_heads, queries_per_kv, d]`` against
+  ``[reqs, kv_heads, seq, d]``, so grouped-query attention repeats no keys;
+* prefill group (chunks of two or more tokens): queries padded to the longest
+  chunk, a causal mask offset by each request's cached prefix, ``enable_gqa``.
+
+Measured on 2 cores (33M Llama shapes, 8 heads / 4 KV heads, d=64, 80 cached
+tokens, one layer): batch 32 decode 3.0 ms as a per-request loop, 0.62 ms here
+(about half of it the gather); SDPA's GQA flag costs 10-25% more than the
+grouped view, a hand-written matmul/softmax 2-5x more, and the same math
+compiled by Inductor (gather fused into the loops) was slower than the loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
+
+from compile_runtime.attention.kv_cache import write_kv_cache
+from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
+from compile_runtime.config import AttentionCGSupport
+
+
+@dataclass
+class GroupPlan:
+    """One SDPA call's worth of requests: where their queries, keys and outputs are."""
+
+    num_reqs: int
+    # Each request's first ``num_blocks`` block ids: [num_reqs * num_blocks] int64.
+    block_ids: torch.Tensor
+    num_blocks: int
+    num_keys: int  # keys attended over per request (<= num_blocks * block_size)
+    # Query position of each (padded) query row: [num_reqs, max_query_len] (host array).
+    query_pos: np.ndarray
+    # Token index of each query row (padded rows repeat the request's last token).
+    query_tokens: torch.Tensor  # [num_reqs * max_query_len] int64
+    # Where the real rows go: flat row index in the padded result, and output token.
+    valid_rows: torch.Tensor | None  # None: every padded row is real
+    out_tokens: torch.Tensor | slice
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _kv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def kv_rows(self, num_blocks: int) -> torch.Tensor:
+        """Rows of the cache viewed as [2 * num_blocks, ...]: the keys' blocks, then the values'."""
+        rows = self._kv_rows.get(num_blocks)
+        if rows is None:
+            rows = self._kv_rows[num_blocks] = torch.cat(
+                [self.block_ids, self.block_ids + num_blocks]
+            )
+        return rows
+
+    @property
+    def max_query_len(self) -> int:
+        return self.query_pos.shape[1]
+
+    def mask(self, sliding_window: int | None) -> torch.Tensor | None:
+        """[num_reqs, 1, max_query_len, num_keys] bool, True = visible; None = all visible."""
+        if sliding_window not in self.masks:
+            k_pos = np.arange(self.num_keys)
+            q_pos = self.query_pos[:, :, None]
+            visible = k_pos <= q_pos
+            if sliding_window is not None:
+                visible &= k_pos > q_pos - sliding_window
+            all_visible = bool(visible.all())
+            self.masks[sliding_window] = None if all_visible else torch.from_numpy(visible[:, None])
+        return self.masks[sliding_window]
+
+
+@dataclass
+class BatchedPlan:
+    decode: GroupPlan | None
+    prefill: GroupPlan | None
+
+
+def _plan_group(
+    req_idx: np.ndarray,
+    query_start: np.ndarray,
+    query_lens: np.ndarray,
+    seq_lens: np.ndarray,
+    block_table: np.ndarray,
+    block_size: int,
+) -> GroupPlan:
+    """Plan for the requests ``req_idx``; numpy on the host (a step's planning is tiny work
+    on tiny arrays, where numpy's per-call cost is a tenth of torch's)."""
+    n = len(req_idx)
+    q_lens, s_lens, starts = query_lens[req_idx], seq_lens[req_idx], query_start[req_idx]
+    max_q, max_s = int(q_lens.max()), int(s_lens.max())
+    num_blocks = -(-max_s // block_size)
+    offsets = np.arange(max_q)
+    real = offsets[None, :] < q_lens[:, None]  # [n, max_q]
+    # Padded rows copy the request's last query row (valid everywhere, then dropped).
+    row = np.minimum(offsets[None, :], q_lens[:, None] - 1)
+    query_tokens = (starts[:, None] + row).reshape(-1)
+    flat_real = real.reshape(-1)
+    real_tokens = query_tokens[flat_real]
+    first, count = int(real_tokens[0]), len(real_tokens)
+    contiguous = int(real_tokens[-1]) - first == count - 1 and bool(
+        (np.diff(real_tokens) == 1).all()
+    )
+    return GroupPlan(
+        num_reqs=n,
+        block_ids=torch.from_numpy(block_table[req_idx, :num_blocks].reshape(-1).astype(np.int64)),
+        num_blocks=num_blocks,
+        num_keys=max_s,
+        query_pos=s_lens[:, None] - q_lens[:, None] + row,
+        query_tokens=torch.from_numpy(query_tokens),
+        valid_rows=None if flat_real.all() else torch.from_numpy(np.flatnonzero(flat_real)),
+        out_tokens=slice(first, first + count) if contiguous else torch.from_numpy(real_tokens),
+    )
+
+
+class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
+    def _finish(
+        self, metadata: AttentionMetadata, num_padded_tokens: int, for_cudagraph: bool
+    ) -> None:
+        qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
+        query_lens = qsl[1:] - qsl[:-1]
+        seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
+        table = metadata.block_table.cpu().numpy()
+        groups = []
+        for selected in (query_lens == 1, query_lens > 1):
+            req_idx = np.flatnonzero(selected)
+            groups.append(
+                _plan_group(req_idx, qsl[:-1], query_lens, seq_lens, table, self.block_size)
+                if len(req_idx)
+                else None
+            )
+        metadata.backend_state = BatchedPlan(*groups)
+
+
+class CPUBatchedImpl(AttentionImpl):
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> None:
+        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        plan: BatchedPlan = metadata.backend_state
+        if plan.decode is not None:
+            self._decode(query, kv_cache, plan.decode, output)
+        if plan.prefill is not None:
+            self._prefill(query, kv_cache, plan.prefill, output)
+        output[metadata.num_actual_tokens :].zero_()
+
+    def _keys_values(
+        self, kv_cache: torch.Tensor, group: GroupPlan, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[reqs, kv_heads, num_keys, d] views of the group's keys and values (one copy)."""
+        _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
+        # Keys and values in one gather over whole blocks (rows of the flattened cache):
+        # twice as fast as index_select along the block dim of the 5-d cache.
+        rows = group.kv_rows(num_blocks)
+        kv = kv_cache.view(2 * num_blocks, -1).index_select(0, rows).to(dtype)
+        shape = (2, group.num_reqs, group.num_blocks * block_size, num_kv_heads, head_size)
+        kv = kv.view(shape)[:, :, : group.num_keys].transpose(2, 3)
+        return kv[0], kv[1]
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: GroupPlan, output: torch.Tensor
+    ) -> None:
+        spec = self.spec
+        k, v = self._keys_values(kv_cache, group, query.dtype)
+        q = query.index_select(0, group.query_tokens)
+        q = q.view(group.num_reqs, spec.num_kv_heads, spec.num_queries_per_kv, spec.head_size)
+        mask = group.mask(spec.sliding_window)
+        if mask is not None:  # [reqs, 1, 1, keys]: the same for every query head
+            mask = mask[:, :, :1]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
+        output[group.out_tokens] = out.view(group.num_reqs, spec.num_heads, spec.head_size)
+
+    def _prefill(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, group: GroupPlan, output: torch.Tensor
+    ) -> None:
+        spec = self.spec
+        k, v = self._keys_values(kv_cache, group, query.dtype)
+        q = query.index_select(0, group.query_tokens)
+        q = q.view(group.num_reqs, group.max_query_len, spec.num_heads, spec.head_size)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k,
+            v,
+            attn_mask=group.mask(spec.sliding_window),
+            scale=spec.scale,
+            enable_gqa=spec.num_queries_per_kv > 1,
+        )
+        rows = out.transpose(1, 2).reshape(-1, spec.num_heads, spec.head_size)
+        if group.valid_rows is not None:
+            rows = rows.index_select(0, group.valid_rows)
+        output[group.out_tokens] = rows
+
+
+class CPUBatchedBackend(AttentionBackend):
+    name = "cpu_batched"
+    cg_support = AttentionCGSupport.NEVER  # host planning, data-dependent shapes
+    supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
+    supported_devices = frozenset({"cpu"})
+    impl_cls = CPUBatchedImpl
+    builder_cls = CPUBatchedMetadataBuilder
