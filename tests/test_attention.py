@@ -533,3 +533,37 @@ def test_attention_benchmark_smoke(tmp_path, monkeypatch):
     assert "CUDA" in by_key[("torch_native", "graph")]["skipped"]
     assert "TRITON_INTERPRET" in by_key[("triton", None)]["skipped"]
     assert json.loads(out.read_text())["results"] == records
+
+
+def test_cpu_decode_kernel_equals_torch_ops(monkeypatch):
+    """The C decode kernel (cache writes + decode attention) and the torch-op path agree."""
+    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+
+    assert cpu_decode_kernel.load_decode_kernel() is not None  # CI machines have a compiler
+    batch = make_paged_batch(
+        [1, 1, 6, 1], [70, 3, 10, 33], num_heads=8, num_kv_heads=2, head_size=64,
+        block_size=16, num_padding=2, seed=3,
+    )  # fmt: skip
+    for window in (None, 7):
+        spec = AttentionSpec(8, 2, 64, 0.125, sliding_window=window)
+        with_kernel, cache_k = run_backend("cpu_batched", batch, spec)
+        monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
+        torch_ops, cache_t = run_backend("cpu_batched", batch, spec)
+        monkeypatch.undo()
+        assert (with_kernel - torch_ops).abs().max() < 1e-5
+        assert torch.equal(cache_k[:, 1:], cache_t[:, 1:])
+        ref = dense_reference(batch, 0.125, window)
+        assert (with_kernel[: batch.num_actual_tokens].double() - ref).abs().max() < 1e-5
+
+
+def test_cpu_decode_kernel_without_a_compiler_falls_back(monkeypatch, tmp_path):
+    from compile_runtime.backends.attention import cpu_decode_kernel
+
+    cpu_decode_kernel.load_decode_kernel.cache_clear()
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("COMPILE_RUNTIME_CACHE_DIR", str(tmp_path))
+    try:
+        assert cpu_decode_kernel.load_decode_kernel() is None
+    finally:
+        cpu_decode_kernel.load_decode_kernel.cache_clear()
+    assert not any((tmp_path / ".cpu_kernels").glob("*.so"))

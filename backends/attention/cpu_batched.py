@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
+from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel, row_stride
 
 from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
@@ -43,6 +44,7 @@ class GroupPlan:
     block_ids: torch.Tensor
     num_blocks: int
     num_keys: int  # keys attended over per request (<= num_blocks * block_size)
+    seq_lens: torch.Tensor  # [num_reqs] int64
     # Query position of each (padded) query row: [num_reqs, max_query_len] (host array).
     query_pos: np.ndarray
     # Token index of each query row (padded rows repeat the request's last token).
@@ -115,6 +117,7 @@ def _plan_group(
         block_ids=torch.from_numpy(block_table[req_idx, :num_blocks].reshape(-1).astype(np.int64)),
         num_blocks=num_blocks,
         num_keys=max_s,
+        seq_lens=torch.from_numpy(s_lens),
         query_pos=s_lens[:, None] - q_lens[:, None] + row,
         query_tokens=torch.from_numpy(query_tokens),
         valid_rows=None if flat_real.all() else torch.from_numpy(np.flatnonzero(flat_real)),
@@ -141,6 +144,20 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
         metadata.backend_state = BatchedPlan(*groups)
 
 
+def _kernel_takes(query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:
+    """The C kernel reads raw float32 / int64 memory: only layouts it was written for."""
+    slots = metadata.slot_mapping
+    return (
+        all(t.dtype == torch.float32 for t in (query, key, value, output, kv_cache))
+        and kv_cache.is_contiguous()
+        and slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and all(
+            t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value, output)
+        )
+    )
+
+
 class CPUBatchedImpl(AttentionImpl):
     def forward(
         self,
@@ -151,13 +168,38 @@ class CPUBatchedImpl(AttentionImpl):
         metadata: AttentionMetadata,
         output: torch.Tensor,
     ) -> None:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         plan: BatchedPlan = metadata.backend_state
-        if plan.decode is not None:
-            self._decode(query, kv_cache, plan.decode, output)
+        kernel = None
+        if plan.decode is not None and _kernel_takes(query, key, value, output, kv_cache, metadata):
+            kernel = load_decode_kernel()
+        if kernel is not None:
+            self._decode_kernel(kernel, query, key, value, kv_cache, metadata, output)
+        else:
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+            if plan.decode is not None:
+                self._decode(query, kv_cache, plan.decode, output)
         if plan.prefill is not None:
             self._prefill(query, kv_cache, plan.prefill, output)
-        output[metadata.num_actual_tokens :].zero_()
+        if output.shape[0] > metadata.num_actual_tokens:
+            output[metadata.num_actual_tokens :].zero_()
+
+    def _decode_kernel(self, kernel, query, key, value, kv_cache, metadata, output) -> None:
+        """Cache writes of the whole step and the decode group's attention in one C call."""
+        spec, group = self.spec, metadata.backend_state.decode
+        slots = metadata.slot_mapping
+        num_new = min(key.shape[0], slots.shape[0])
+        kernel.paged_decode_f32(
+            query.data_ptr(), row_stride(query),
+            key.data_ptr(), row_stride(key),
+            value.data_ptr(), row_stride(value),
+            slots.data_ptr(), num_new,
+            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
+            group.block_ids.data_ptr(), group.num_blocks,
+            group.seq_lens.data_ptr(), group.query_tokens.data_ptr(),
+            output.data_ptr(), row_stride(output),
+            group.num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            kv_cache.shape[2], spec.scale, spec.sliding_window or 0,
+        )  # fmt: skip
 
     def _keys_values(
         self, kv_cache: torch.Tensor, group: GroupPlan, dtype: torch.dtype

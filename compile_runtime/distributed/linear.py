@@ -4,7 +4,8 @@ A column-parallel layer holds a slice of the output features (no
 communication: each rank computes its own heads / intermediate columns); a
 row-parallel layer holds the matching slice of the input features and sums
 the partial products with one all-reduce. On one rank both are exactly
-``nn.Linear`` (same parameters, same ``F.linear`` call, same bits).
+``nn.Linear`` (same parameters, same ``F.linear`` call, same bits), unless the
+runner packed their weights for oneDNN on a CPU (``compile_runtime.ops.cpu_linear``).
 
 Every parameter carries ``tp_shard(shard_id) -> (dim, start, length) | None``:
 the part of the checkpoint tensor this rank reads (None: all of it). The
@@ -17,12 +18,12 @@ import math
 from collections.abc import Callable, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from compile_runtime.distributed.communication import tensor_parallel_all_reduce
 from compile_runtime.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from compile_runtime.distributed.sharding import HeadLayout, divide, head_layout
+from compile_runtime.ops.cpu_linear import linear
 
 ShardFn = Callable[[object], "tuple[int, int, int] | None"]
 
@@ -45,6 +46,8 @@ def _init_like_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: i
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows split over ranks; output stays split."""
 
+    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, name: str):
         super().__init__()
         self.rank, self.world_size = get_tp_rank(), get_tp_world_size()
@@ -63,7 +66,7 @@ class ColumnParallelLinear(nn.Module):
         return 0, self.rank * size, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.use_packed_weight)
 
     def extra_repr(self) -> str:
         return (
@@ -115,6 +118,8 @@ class RowParallelLinear(nn.Module):
     the bias is added once, after the sum.
     """
 
+    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+
     def __init__(self, input_size: int, output_size: int, bias: bool, name: str):
         super().__init__()
         self.rank, self.world_size = get_tp_rank(), get_tp_world_size()
@@ -132,8 +137,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = tensor_parallel_all_reduce(F.linear(x, self.weight))
+            return linear(x, self.weight, self.bias, self.use_packed_weight)
+        y = tensor_parallel_all_reduce(linear(x, self.weight, None, self.use_packed_weight))
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -23,6 +23,7 @@ from compile_runtime.distributed.communication import (
 )
 from compile_runtime.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from compile_runtime.distributed.sharding import vocab_range
+from compile_runtime.ops.cpu_linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -59,8 +60,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; full logits on rank 0 only (None elsewhere)."""
 
+    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight, None, self.use_packed_weight)
         if self.world_size == 1:
             return logits
         gathered = gather_to_first_rank(logits, dim=-1)
