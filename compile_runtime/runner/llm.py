@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from compile_runtime.config import CompilationConfig, parse_config
 from compile_runtime.executor import EngineConfig, Executor, make_executor
+from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
@@ -75,6 +76,8 @@ class LLM:
         use_transformers: bool = False,
         tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        num_threads: int | None = None,
+        cpu_pack_weights: bool = True,
     ):
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
@@ -91,6 +94,10 @@ class LLM:
             kv_cache_bytes=kv_cache_bytes,
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
+            cpu_pack_weights=cpu_pack_weights,
+            # Chosen here, once, not by each worker: starting workers would count each other
+            # as busy cores.
+            num_threads=_cpu_threads(device, num_threads, tensor_parallel_size),
         )
         self.executor: Executor = make_executor(
             EngineConfig(
@@ -254,6 +261,11 @@ class LLM:
             else:
                 out.append([int(t) for t in p])
         return out
+
+
+def _cpu_threads(device: str | None, requested: int | None, tp_size: int) -> int | None:
+    on_cpu = torch.device(device).type == "cpu" if device else not torch.cuda.is_available()
+    return resolve_num_threads(requested, tp_size) if on_cpu else requested
 
 
 def _load_tokenizer(model_dir: str):

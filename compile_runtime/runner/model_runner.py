@@ -37,6 +37,7 @@ from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, 
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.registry import load_model
 from compile_runtime.ops.cpu_linear import pack_linear_weights
+from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.sampler import Sampler
 from compile_runtime.runner.sampling_metadata import (
@@ -62,6 +63,8 @@ class RunnerConfig:
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
     # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True
+    # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
+    num_threads: int | None = None
 
 
 @dataclass
@@ -93,6 +96,10 @@ class ModelRunner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        self.num_threads = torch.get_num_threads()
+        if self.device.type == "cpu":  # before compiling: Inductor bakes the count in
+            self.num_threads = resolve_num_threads(self.config.num_threads, self.tp_size)
+            torch.set_num_threads(self.num_threads)
         start = time.perf_counter()
         self.model = load_model(
             model_dir,

@@ -1,0 +1,88 @@
+"""How many CPU threads the engine uses, chosen once at start-up.
+
+On a CPU every op of a step is an OpenMP parallel region whose threads wait
+for each other at its end. When another process keeps a core busy, one of our
+threads is regularly descheduled and every region waits a scheduler slice for
+it: on 2 cores with both busy, a decode step got about 4x slower with 2
+threads (up to 100x seen), but only 1.3-1.7x slower with 1 thread
+(benchmarks/vs_transformers.py --cotenancy). So the default counts the cores
+this process may use, subtracts those other processes keep busy right now,
+and splits the rest between tensor-parallel ranks. Inductor bakes the count
+into its compiled kernels, so it is fixed before the first compile.
+
+``LLM(num_threads=N)`` or ``OMP_NUM_THREADS`` overrides it. The runner sets
+the count for its whole process (``torch.set_num_threads``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SAMPLES = 5
+SAMPLE_INTERVAL_S = 0.002
+
+
+def usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def runnable_tasks() -> int | None:
+    """Tasks running or ready to run on the whole machine now (/proc/stat), or None."""
+    try:
+        with open("/proc/stat") as f:
+            for line in f:
+                if line.startswith("procs_running"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
+def busy_cores() -> int:
+    """Cores other processes keep busy: the fewest runnable tasks over a few samples,
+    less this thread (our own idle OpenMP workers may still be spinning at the first)."""
+    counts = []
+    for i in range(SAMPLES):
+        if i:
+            time.sleep(SAMPLE_INTERVAL_S)
+        n = runnable_tasks()
+        if n is None:
+            return 0
+        counts.append(n)
+    return max(0, min(counts) - 1)
+
+
+def default_num_threads(tp_size: int = 1) -> int:
+    """Threads per rank: free cores split over the ranks, at least 1; OMP_NUM_THREADS wins."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    cores = usable_cores()
+    busy = min(busy_cores(), cores - 1)
+    threads = max(1, (cores - busy) // tp_size)
+    logger.info(
+        "CPU threads per rank: %d (%d cores, %d busy with other work, %d rank(s)); "
+        "set LLM(num_threads=...) or OMP_NUM_THREADS to choose",
+        threads,
+        cores,
+        busy,
+        tp_size,
+    )
+    return threads
+
+
+def resolve_num_threads(requested: int | None, tp_size: int = 1) -> int:
+    if requested is None:
+        return default_num_threads(tp_size)
+    if requested < 1:
+        raise ValueError(f"num_threads must be at least 1, got {requested}")
+    return requested
+

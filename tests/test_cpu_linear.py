@@ -1,0 +1,62 @@
+"""Linear layers with oneDNN-packed weights on CPU: same results, never a stale copy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import compile_runtime as cr
+from compile_runtime.distributed import ColumnParallelLinear, RowParallelLinear
+from compile_runtime.ops import cpu_linear
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
+def test_packed_linear_equals_f_linear(rows):
+    torch.manual_seed(0)
+    weight, bias = torch.randn(96, 64), torch.randn(96)
+    x = torch.randn(rows, 64)
+    cpu_linear.pack_weight(weight)
+    out = torch.ops.compile_runtime.cpu_linear(x, weight, bias)
+    assert out.shape == (rows, 96)
+    assert (out - F.linear(x, weight, bias)).abs().max() < 1e-4
+
+
+def test_a_weight_changed_after_packing_is_never_served_stale():
+    torch.manual_seed(0)
+    weight = torch.randn(32, 16)
+    x = torch.randn(8, 16)
+    cpu_linear.pack_weight(weight)
+    assert cpu_linear._lookup(weight) is not None
+    with torch.no_grad():
+        weight.mul_(2)  # bumps the version counter
+    assert cpu_linear._lookup(weight) is None
+    out = torch.ops.compile_runtime.cpu_linear(x, weight, None)
+    assert (out - F.linear(x, weight)).abs().max() < 1e-5
+    cpu_linear.pack_weight(weight)  # packing again serves the new values
+    assert cpu_linear._lookup(weight) is not None
+
+
+def test_pack_linear_weights_flags_layers_and_compiled_model_matches_eager():
+    torch.manual_seed(0)
+
+    @cr.compile
+    class Mlp(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = ColumnParallelLinear(32, [64], bias=True, name="up")
+            self.down = RowParallelLinear(64, 32, bias=False, name="down")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(F.silu(self.up(x)))
+
+    with cr.set_compilation_config(cr.CompilationConfig(backend="eager")):
+        model = Mlp()
+    x = torch.randn(12, 32)
+    with torch.no_grad():
+        expected = F.linear(F.silu(F.linear(x, model.up.weight, model.up.bias)), model.down.weight)
+    assert cpu_linear.pack_linear_weights(model) == 2
+    assert model.up.use_packed_weight and model.down.use_packed_weight
+    with torch.inference_mode():
+        out = model(x)
+    assert (out - expected).abs().max() < 1e-4
