@@ -31,7 +31,7 @@ from compile_runtime.cudagraph import wrap_piece
 from compile_runtime.graph_hash import piece_hash
 from compile_runtime.passes.manager import PassManager
 from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
-from compile_runtime.split import Piece, split_graph
+from compile_runtime.split import Piece, direct_splitting_piece, split_graph
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +157,10 @@ class CompilerBackend:
         compiler = _PieceCompiler(split_gm, pieces, self)
         with fake_mode:
             compiler.run(*fake_args)
+        for piece in pieces:
+            if piece.is_splitting_op:
+                # An instance attribute wins over the submodule, which stays for printing.
+                split_gm.__dict__[piece.name] = direct_splitting_piece(piece.graph)
         capturable = [p for p in pieces if not p.is_splitting_op]
         for i, piece in enumerate(capturable):
             runtime = compiler.runtimes[piece.name]

@@ -7,12 +7,17 @@ tuple values never cross a piece boundary.
 
 from __future__ import annotations
 
+import copy
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
+
+from compile_runtime.attention_op import ATTENTION_OP_NAME, call_attention_layer
 
 
 @dataclass
@@ -82,3 +87,20 @@ def split_graph(
             )
         )
     return split_gm, pieces
+
+
+def direct_splitting_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
+    """A splitting-op piece as a plain function that calls the attention op's body directly.
+
+    Skips ``nn.Module.__call__`` and the op's dispatch, which on a CPU decode step cost
+    about as much as the attention itself. Other splitting ops keep their dispatch.
+    """
+    graph = copy.deepcopy(graph)
+    for node in graph.graph.nodes:
+        if node.op == "call_function" and op_name(node) in (
+            ATTENTION_OP_NAME,
+            ATTENTION_OP_NAME + ".default",
+        ):
+            node.target = call_attention_layer
+    graph.recompile()
+    return graph.forward

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from compile_runtime.config import CompilationConfig, set_compilation_config
+from compile_runtime.ops.cpu_linear import pack_linear_weights
 
 logger = logging.getLogger(__name__)
 
@@ -33,11 +34,15 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     use_transformers: bool = False,
+    cpu_pack_weights: bool = True,
 ) -> nn.Module:
     """The model in ``model_dir`` with its weights, built under ``compilation_config``.
 
     Llama-family architectures use our native implementation; anything else
-    (or ``use_transformers=True``) goes through the transformers adapter.
+    (or ``use_transformers=True``) goes through the transformers adapter. On a
+    CPU the linear weights are packed for oneDNN unless ``cpu_pack_weights`` is
+    False (it changes the traced graph, so everything that traces a model for
+    the cache key loads it here).
     """
     from transformers import AutoConfig
 
@@ -54,6 +59,8 @@ def load_model(
             from compile_runtime.models.transformers_adapter import TransformersCausalLM
 
             model = TransformersCausalLM(model_dir, hf_config, dtype)
+    if device.type == "cpu" and cpu_pack_weights:
+        pack_linear_weights(model)
     logger.info(
         "loaded %s (%s, %s) from %s",
         type(model).__name__,

@@ -36,7 +36,6 @@ from compile_runtime.dispatcher import CudagraphDispatcher
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.registry import load_model
-from compile_runtime.ops.cpu_linear import pack_linear_weights
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.sampler import Sampler
@@ -107,9 +106,8 @@ class ModelRunner:
             dtype=dtype,
             device=self.device,
             use_transformers=use_transformers,
+            cpu_pack_weights=self.config.cpu_pack_weights,
         )
-        if self.device.type == "cpu" and self.config.cpu_pack_weights:
-            pack_linear_weights(self.model)
         self.load_seconds = time.perf_counter() - start
         self.layers = attention_layers(self.model)
         if not self.layers:
