@@ -129,10 +129,13 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
     def _finish(
         self, metadata: AttentionMetadata, num_padded_tokens: int, for_cudagraph: bool
     ) -> None:
-        qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
-        query_lens = qsl[1:] - qsl[:-1]
         seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
         table = metadata.block_table.cpu().numpy()
+        if metadata.uniform_decode:  # the common step: request i decodes token i
+            metadata.backend_state = BatchedPlan(self._decode_plan(seq_lens, table), None)
+            return
+        qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
+        query_lens = qsl[1:] - qsl[:-1]
         groups = []
         for selected in (query_lens == 1, query_lens > 1):
             req_idx = np.flatnonzero(selected)
@@ -142,6 +145,22 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
                 else None
             )
         metadata.backend_state = BatchedPlan(*groups)
+
+    def _decode_plan(self, seq_lens: np.ndarray, table: np.ndarray) -> GroupPlan:
+        """``_plan_group`` for a batch of decodes only, without its general bookkeeping."""
+        n = len(seq_lens)
+        num_blocks = -(-int(seq_lens.max()) // self.block_size)
+        return GroupPlan(
+            num_reqs=n,
+            block_ids=torch.from_numpy(table[:n, :num_blocks].reshape(-1).astype(np.int64)),
+            num_blocks=num_blocks,
+            num_keys=int(seq_lens.max()),
+            seq_lens=torch.from_numpy(seq_lens),
+            query_pos=(seq_lens - 1)[:, None],
+            query_tokens=torch.arange(n),
+            valid_rows=None,
+            out_tokens=slice(0, n),
+        )
 
 
 def _kernel_takes(query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:

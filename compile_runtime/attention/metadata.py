@@ -139,13 +139,13 @@ class AttentionMetadataBuilder:
 
         if slot_mapping.shape[0] > num_actual_tokens:
             slot_mapping[num_actual_tokens:].fill_(PADDING_SLOT)
-        query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-        max_query_len = int(query_lens.max()) if num_reqs else 0
+        qsl_np = query_start_loc_cpu.numpy()
+        max_query_len = int((qsl_np[1:] - qsl_np[:-1]).max()) if num_reqs else 0
         metadata = AttentionMetadata(
             num_actual_tokens=num_actual_tokens,
             num_reqs=num_reqs,
             max_query_len=max_query_len,
-            max_seq_len=int(seq_lens_cpu.max()) if num_reqs else 0,
+            max_seq_len=int(seq_lens_cpu.numpy().max()) if num_reqs else 0,
             uniform_decode=num_reqs > 0 and max_query_len == 1 and num_actual_tokens == num_reqs,
             block_size=self.block_size,
             query_start_loc=query_start_loc,
@@ -187,10 +187,13 @@ class AttentionMetadataBuilder:
                 f"query_start_loc_cpu has shape {tuple(query_start_loc_cpu.shape)}; expected "
                 f"({num_reqs + 1},) for {num_reqs} requests"
             )
-        if int(query_start_loc_cpu[-1]) != num_actual_tokens or int(query_start_loc_cpu[0]) != 0:
+        # numpy views: these checks run every step, and numpy's per-call cost on a
+        # handful of numbers is a fraction of torch's.
+        qsl, seq_lens = query_start_loc_cpu.numpy(), seq_lens_cpu.numpy()
+        if qsl[-1] != num_actual_tokens or qsl[0] != 0:
             raise MetadataError(
                 f"query_start_loc_cpu must run from 0 to num_actual_tokens={num_actual_tokens}, "
-                f"got {query_start_loc_cpu.tolist()}"
+                f"got {qsl.tolist()}"
             )
         if not num_reqs <= num_reqs_padded <= self.max_num_reqs:
             raise MetadataError(
@@ -203,15 +206,16 @@ class AttentionMetadataBuilder:
                 f"[>= {num_reqs}, max_blocks_per_req]"
             )
         if num_reqs:
-            query_lens = query_start_loc_cpu[1:] - query_start_loc_cpu[:-1]
-            if bool((query_lens > seq_lens_cpu).any()) or bool((query_lens < 0).any()):
+            query_lens = qsl[1:] - qsl[:-1]
+            if (query_lens > seq_lens).any() or (query_lens < 0).any():
                 raise MetadataError(
                     "every request needs 0 <= query_len <= seq_len; query lens "
-                    f"{query_lens.tolist()}, seq lens {seq_lens_cpu.tolist()}"
+                    f"{query_lens.tolist()}, seq lens {seq_lens.tolist()}"
                 )
-            max_blocks = -(-int(seq_lens_cpu.max()) // self.block_size)
+            max_seq_len = int(seq_lens.max())
+            max_blocks = -(-max_seq_len // self.block_size)
             if max_blocks > block_table.shape[1]:
                 raise MetadataError(
-                    f"a request of {int(seq_lens_cpu.max())} tokens needs {max_blocks} blocks of "
+                    f"a request of {max_seq_len} tokens needs {max_blocks} blocks of "
                     f"{self.block_size}; block_table has {block_table.shape[1]} columns"
                 )

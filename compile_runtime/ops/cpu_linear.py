@@ -56,13 +56,14 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    rows = x.numel() // x.shape[-1] if x.dim() else 0
+    two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
+    rows = x.shape[0] if two_d else x.numel() // x.shape[-1]
     packed = _lookup(weight) if rows >= PACKED_MIN_ROWS else None
     if packed is None:
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    flat = x if two_d else x.reshape(-1, x.shape[-1])
+    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+    return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
 
 
 # A plain library registration: its dispatch costs a few microseconds per call,
