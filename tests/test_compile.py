@@ -43,6 +43,8 @@ def test_twenty_token_counts_no_new_trace_or_compile():
     ref = build(cr.CompilationConfig(mode="NONE"))
     model = build(EAGER.model_copy(update={"compile_sizes": [4]}))
     model(ids(7))
+    # Later calls run Dynamo's bytecode directly, bypassing torch.compile's frame hook.
+    assert model._compile_runtime.direct is not None
     with counter.expect(num_graphs_seen=0, num_backend_compilations=0, num_eager_compiles=0):
         for n in [1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 31, 32, 33, 50, 64, 100, 127, 128, 200, 257]:
             assert torch.equal(model(ids(n, seed=n)), ref(ids(n, seed=n))), n
