@@ -36,6 +36,7 @@ def _generate(args: argparse.Namespace) -> int:
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
+        num_threads=args.num_threads,
     )
     params = SamplingParams(
         temperature=args.temperature,
@@ -98,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--tensor-parallel-size", type=int, default=1)
     gen.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
+    gen.add_argument(
+        "--num-threads", type=int, default=None, help="CPU threads (default: the free cores)"
+    )
     gen.set_defaults(func=_generate)
 
     from compile_runtime.cache.cli import register as register_cache
