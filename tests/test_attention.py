@@ -567,3 +567,12 @@ def test_cpu_decode_kernel_without_a_compiler_falls_back(monkeypatch, tmp_path):
     finally:
         cpu_decode_kernel.load_decode_kernel.cache_clear()
     assert not any((tmp_path / ".cpu_kernels").glob("*.so"))
+
+
+def test_cpu_decode_kernel_refuses_blocks_outside_the_cache():
+    """The C kernel touches raw memory: a block id past the cache is an error, never a read."""
+    batch = make_paged_batch([1, 1], [20, 5], num_heads=4, num_kv_heads=2, head_size=64,
+                             block_size=16)  # fmt: skip
+    batch.block_table[0, 0] = batch.kv_cache.shape[1] + 3
+    with pytest.raises(MetadataError, match="does not belong to this cache"):
+        run_backend("cpu_batched", batch, AttentionSpec(4, 2, 64, 0.125))

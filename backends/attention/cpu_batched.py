@@ -31,7 +31,11 @@ from compile_runtime.backends.attention.base import AttentionBackend, AttentionI
 from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel, row_stride
 
 from compile_runtime.attention.kv_cache import write_kv_cache
-from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
+from compile_runtime.attention.metadata import (
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    MetadataError,
+)
 from compile_runtime.config import AttentionCGSupport
 
 
@@ -85,6 +89,10 @@ class GroupPlan:
 class BatchedPlan:
     decode: GroupPlan | None
     prefill: GroupPlan | None
+    # Largest block id and slot the step touches: the C kernel reads and writes raw
+    # memory, so both are checked against the cache before it runs.
+    max_block_id: int = 0
+    max_slot: int = -1
 
 
 def _plan_group(
@@ -131,8 +139,14 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
     ) -> None:
         seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
         table = metadata.block_table.cpu().numpy()
+        slots = metadata.slot_mapping[: metadata.num_actual_tokens].numpy()
+        bounds = {
+            "max_block_id": int(table[: len(seq_lens)].max()) if len(seq_lens) else 0,
+            "max_slot": int(slots.max()) if len(slots) else -1,
+        }
         if metadata.uniform_decode:  # the common step: request i decodes token i
-            metadata.backend_state = BatchedPlan(self._decode_plan(seq_lens, table), None)
+            decode = self._decode_plan(seq_lens, table)
+            metadata.backend_state = BatchedPlan(decode, None, **bounds)
             return
         qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
         query_lens = qsl[1:] - qsl[:-1]
@@ -144,7 +158,7 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
                 if len(req_idx)
                 else None
             )
-        metadata.backend_state = BatchedPlan(*groups)
+        metadata.backend_state = BatchedPlan(*groups, **bounds)
 
     def _decode_plan(self, seq_lens: np.ndarray, table: np.ndarray) -> GroupPlan:
         """``_plan_group`` for a batch of decodes only, without its general bookkeeping."""
@@ -204,7 +218,15 @@ class CPUBatchedImpl(AttentionImpl):
 
     def _decode_kernel(self, kernel, query, key, value, kv_cache, metadata, output) -> None:
         """Cache writes of the whole step and the decode group's attention in one C call."""
-        spec, group = self.spec, metadata.backend_state.decode
+        plan: BatchedPlan = metadata.backend_state
+        spec, group = self.spec, plan.decode
+        num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        if plan.max_block_id >= num_blocks or plan.max_slot >= num_blocks * block_size:
+            raise MetadataError(
+                f"the step addresses block {plan.max_block_id} / slot {plan.max_slot}, but the "
+                f"KV cache has {num_blocks} blocks of {block_size}; the block table or slot "
+                "mapping does not belong to this cache"
+            )
         slots = metadata.slot_mapping
         num_new = min(key.shape[0], slots.shape[0])
         kernel.paged_decode_f32(
