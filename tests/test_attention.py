@@ -576,3 +576,18 @@ def test_cpu_decode_kernel_refuses_blocks_outside_the_cache():
     batch.block_table[0, 0] = batch.kv_cache.shape[1] + 3
     with pytest.raises(MetadataError, match="does not belong to this cache"):
         run_backend("cpu_batched", batch, AttentionSpec(4, 2, 64, 0.125))
+
+
+def test_cpu_batched_torch_path_ignores_garbage_past_a_request(monkeypatch):
+    """Keys past a request's length are other requests' old data: inf there must not leak."""
+    from compile_runtime.backends.attention import cpu_batched
+
+    monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
+    batch = make_paged_batch([1, 1], [40, 3], num_heads=4, num_kv_heads=2, head_size=64,
+                             block_size=16)  # fmt: skip
+    short_block = int(batch.block_table[1, 0])
+    batch.kv_cache[:, short_block, 8:] = float("inf")  # past request 1's 4 tokens
+    out, _ = run_backend("cpu_batched", batch, AttentionSpec(4, 2, 64, 0.125))
+    ref = dense_reference(batch, 0.125)
+    assert torch.isfinite(out).all()
+    assert (out[: batch.num_actual_tokens].double() - ref).abs().max() < 1e-5

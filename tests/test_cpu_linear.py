@@ -60,3 +60,33 @@ def test_pack_linear_weights_flags_layers_and_compiled_model_matches_eager():
     with torch.inference_mode():
         out = model(x)
     assert (out - expected).abs().max() < 1e-4
+
+
+def test_packed_copy_follows_the_parameter_not_the_address():
+    """A swapped storage or a transposed view at the same address never gets the packed copy."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(16, [16], bias=False, name="sq")
+    cpu_linear.pack_linear_weights(layer)
+    assert cpu_linear._lookup(layer.weight) is not None
+    assert cpu_linear._lookup(layer.weight.t()) is None  # same pointer and shape, other strides
+    old = layer.weight.data
+    layer.weight.data = torch.randn(16, 16)
+    assert cpu_linear._lookup(old) is None  # the packed parameter no longer lives there
+
+
+def test_repack_after_writes_through_data():
+    """Loaders write through .data (no version bump): repack_linear_weights refreshes."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(16, [32], bias=False, name="w")
+    cpu_linear.pack_linear_weights(layer)
+    layer.weight.data.copy_(torch.zeros(32, 16))
+    cpu_linear.repack_linear_weights(layer)
+    x = torch.randn(8, 16)
+    with torch.inference_mode():
+        assert torch.equal(layer(x), torch.zeros(8, 32))
+
+
+def test_plain_argmax_is_not_cached_across_copies():
+    p = cr.SamplingParams(temperature=0.0)
+    assert p.plain_argmax
+    assert not p.model_copy(update={"logprobs": 3}).plain_argmax

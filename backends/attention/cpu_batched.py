@@ -58,6 +58,14 @@ class GroupPlan:
     out_tokens: torch.Tensor | slice
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _kv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    _extras: dict[str, torch.Tensor | None] = field(default_factory=dict)
+
+    def beyond_seq_len(self) -> torch.Tensor | None:
+        """[num_reqs, num_keys] True past each request's length; None if nothing is."""
+        if "beyond" not in self._extras:
+            beyond = np.arange(self.num_keys)[None, :] >= self.seq_lens.numpy()[:, None]
+            self._extras["beyond"] = torch.from_numpy(beyond) if beyond.any() else None
+        return self._extras["beyond"]
 
     def kv_rows(self, num_blocks: int) -> torch.Tensor:
         """Rows of the cache viewed as [2 * num_blocks, ...]: the keys' blocks, then the values'."""
@@ -91,6 +99,7 @@ class BatchedPlan:
     prefill: GroupPlan | None
     # Largest block id and slot the step touches: the C kernel reads and writes raw
     # memory, so both are checked against the cache before it runs.
+    min_block_id: int = 0
     max_block_id: int = 0
     max_slot: int = -1
 
@@ -140,8 +149,10 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
         seq_lens = metadata.seq_lens_cpu.numpy().astype(np.int64)
         table = metadata.block_table.cpu().numpy()
         slots = metadata.slot_mapping[: metadata.num_actual_tokens].numpy()
+        rows = table[: len(seq_lens)]
         bounds = {
-            "max_block_id": int(table[: len(seq_lens)].max()) if len(seq_lens) else 0,
+            "min_block_id": int(rows.min()) if rows.size else 0,
+            "max_block_id": int(rows.max()) if rows.size else 0,
             "max_slot": int(slots.max()) if len(slots) else -1,
         }
         if metadata.uniform_decode:  # the common step: request i decodes token i
@@ -177,17 +188,21 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-def _kernel_takes(query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:
+def _kernel_takes(spec, query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:
     """The C kernel reads raw float32 / int64 memory: only layouts it was written for."""
     slots = metadata.slot_mapping
+    heads, kv_heads = (spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size)
     return (
-        all(t.dtype == torch.float32 for t in (query, key, value, output, kv_cache))
+        query.shape[1:] == heads
+        and output.shape[1:] == heads
+        and key.shape[1:] == kv_heads
+        and value.shape[1:] == kv_heads
+        and kv_cache.shape[3:] == kv_heads
+        and all(t.dtype == torch.float32 for t in (query, key, value, output, kv_cache))
         and kv_cache.is_contiguous()
         and slots.dtype == torch.int64
         and slots.is_contiguous()
-        and all(
-            t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value, output)
-        )
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value, output))
     )
 
 
@@ -203,7 +218,9 @@ class CPUBatchedImpl(AttentionImpl):
     ) -> None:
         plan: BatchedPlan = metadata.backend_state
         kernel = None
-        if plan.decode is not None and _kernel_takes(query, key, value, output, kv_cache, metadata):
+        if plan.decode is not None and _kernel_takes(
+            self.spec, query, key, value, output, kv_cache, metadata
+        ):
             kernel = load_decode_kernel()
         if kernel is not None:
             self._decode_kernel(kernel, query, key, value, kv_cache, metadata, output)
@@ -221,11 +238,17 @@ class CPUBatchedImpl(AttentionImpl):
         plan: BatchedPlan = metadata.backend_state
         spec, group = self.spec, plan.decode
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
-        if plan.max_block_id >= num_blocks or plan.max_slot >= num_blocks * block_size:
+        if (
+            plan.min_block_id < 0
+            or plan.max_block_id >= num_blocks
+            or plan.max_slot >= num_blocks * block_size
+            or block_size != metadata.block_size
+        ):
             raise MetadataError(
-                f"the step addresses block {plan.max_block_id} / slot {plan.max_slot}, but the "
-                f"KV cache has {num_blocks} blocks of {block_size}; the block table or slot "
-                "mapping does not belong to this cache"
+                f"the step addresses blocks {plan.min_block_id}..{plan.max_block_id} and slots "
+                f"up to {plan.max_slot} in blocks of {metadata.block_size}, but the KV cache has "
+                f"{num_blocks} blocks of {block_size}; the block table or slot mapping does not "
+                "belong to this cache"
             )
         slots = metadata.slot_mapping
         num_new = min(key.shape[0], slots.shape[0])
@@ -239,7 +262,7 @@ class CPUBatchedImpl(AttentionImpl):
             group.seq_lens.data_ptr(), group.query_tokens.data_ptr(),
             output.data_ptr(), row_stride(output),
             group.num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
-            kv_cache.shape[2], spec.scale, spec.sliding_window or 0,
+            kv_cache.shape[2], spec.scale, spec.sliding_window or 0, torch.get_num_threads(),
         )  # fmt: skip
 
     def _keys_values(
@@ -252,7 +275,11 @@ class CPUBatchedImpl(AttentionImpl):
         rows = group.kv_rows(num_blocks)
         kv = kv_cache.view(2 * num_blocks, -1).index_select(0, rows).to(dtype)
         shape = (2, group.num_reqs, group.num_blocks * block_size, num_kv_heads, head_size)
-        kv = kv.view(shape)[:, :, : group.num_keys].transpose(2, 3)
+        kv = kv.view(shape)[:, :, : group.num_keys]
+        beyond = group.beyond_seq_len()
+        if beyond is not None:  # other requests' old data: masked out, but inf/NaN would leak
+            kv.masked_fill_(beyond[None, :, :, None, None], 0)
+        kv = kv.transpose(2, 3)
         return kv[0], kv[1]
 
     def _decode(

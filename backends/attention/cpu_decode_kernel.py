@@ -61,7 +61,8 @@ static void write_kv(const float* key, int64_t key_stride, const float* value,
  * caches [num_blocks, bs, KVH, D] contiguous; block_ids [B, nb]; seq_lens [B].
  * out    [tokens, H, D] with row stride out_stride.
  * Query head h attends with KV head h / (H / KVH). window > 0: only the last
- * `window` keys are visible.
+ * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
+ * runtime other than torch's would still use it.
  */
 void paged_decode_f32(const float* query, int64_t q_stride,
                       const float* key, int64_t key_stride,
@@ -72,11 +73,11 @@ void paged_decode_f32(const float* query, int64_t q_stride,
                       const int64_t* seq_lens, const int64_t* tokens,
                       float* out, int64_t out_stride,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                      float scale, int64_t window) {
+                      float scale, int64_t window, int64_t num_threads) {
     const int64_t G = H / KVH, row = KVH * D;
     write_kv(key, key_stride, value, value_stride, slots, num_new_tokens, k_cache, v_cache,
              row);
-    #pragma omp parallel for collapse(2) schedule(static)
+    #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t S = seq_lens[b];
@@ -178,7 +179,7 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
-    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64]
+    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = None
     return lib
 

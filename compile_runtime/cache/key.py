@@ -25,12 +25,16 @@ KEY_LENGTH = 20
 
 
 def device_kind(device: torch.device | str | None = None) -> str:
-    """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>`` otherwise."""
+    """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>:<threads>t`` otherwise.
+
+    Inductor's CPU kernels have the thread count of their compile baked in, so
+    a start with another count must not load them.
+    """
     device = torch.device(device) if device is not None else None
     if (device is None or device.type == "cuda") and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm_{major}{minor}:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{torch.get_num_threads()}t"
 
 
 def versions() -> dict[str, str]:

@@ -25,6 +25,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from compile_runtime.ops.cpu_linear import repack_linear_weights
+
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -163,6 +165,7 @@ def load_weights(
         raise WeightLoadingError(
             f"checkpoint in {model_dir} is missing tensors for: {', '.join(missing)}"
         )
+    repack_linear_weights(model)  # the writes above went through .data: no version bump
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -14,8 +14,10 @@ lives in a side table keyed by the weight, not in the module: the graph sees
 the ordinary weight and ``torch.ops.compile_runtime.cpu_linear`` (opaque to
 Dynamo and Inductor) finds its packed twin at run time. A weight changed in
 place after packing (its version counter moved) or not packed at all runs
-through ``F.linear``: a stale packed copy is never used. The cost is memory:
-one more copy of every packed weight.
+through ``F.linear``. Writes through ``param.data`` (as weight loaders do)
+move no version counter: the loader re-packs after loading
+(``repack_linear_weights``). The cost is memory: one more copy of every packed
+weight.
 """
 
 from __future__ import annotations
@@ -47,8 +49,19 @@ _packed: dict[int, _Packed] = {}  # by the weight's data pointer
 
 
 def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of ``weight``, or None unless it is certainly current: same
+    storage, shape and strides as the packed parameter now has, same version."""
     entry = _packed.get(weight.data_ptr())
-    if entry is None or entry.shape != weight.shape or entry.version != weight._version:
+    if entry is None:
+        return None
+    original = entry.weight()
+    if (
+        original is None
+        or original.data_ptr() != weight.data_ptr()
+        or original.shape != weight.shape
+        or original.stride() != weight.stride()
+        or entry.version != weight._version
+    ):
         return None
     return entry.packed
 
@@ -80,10 +93,12 @@ def _cpu_linear_fake(x, weight, bias):
 
 def can_pack(weight: torch.Tensor) -> bool:
     return (
-        weight.device.type == "cpu"
+        isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
         and weight.dim() == 2
         and weight.dtype in PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
+        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
     )
 
 
@@ -112,6 +127,17 @@ def pack_linear_weights(model: nn.Module) -> int:
             count += 1
     logger.info("packed %d linear weights for oneDNN (CPU)", count)
     return count
+
+
+def repack_linear_weights(model: nn.Module) -> None:
+    """Refresh the packed copies of ``model``'s packed layers after their weights changed.
+
+    Writes through ``param.data`` (as weight loaders do) do not move the version counter,
+    so they cannot be detected: whoever writes weights that way must call this.
+    """
+    for module in model.modules():
+        if getattr(module, "use_packed_weight", False):
+            pack_weight(module.weight)
 
 
 def linear(

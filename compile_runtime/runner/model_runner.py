@@ -245,6 +245,7 @@ class ModelRunner:
             batch.block_table.append_row(row, blocks)
             batch.num_computed_tokens[row] = computed
 
+    @torch.inference_mode()  # as start-up: buffers made there are inference tensors
     def execute_model(self, so: SchedulerOutput) -> None:
         if self.execute_state is not None:
             raise ModelRunnerError(
@@ -338,6 +339,7 @@ class ModelRunner:
         result = self.sampler(logits, metadata)
         return result.token_ids, result.logprobs
 
+    @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         state = self.execute_state
         if state is None:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
@@ -38,7 +36,7 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    @functools.cached_property
+    @property
     def plain_argmax(self) -> bool:
         """The token is the argmax of the raw logits: greedy, no knob that changes them.
 
