@@ -22,13 +22,14 @@ compiled by Inductor (gather fused into the loops) was slower than the loop.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
-from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel, row_stride
+from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel
 
 from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import (
@@ -58,14 +59,12 @@ class GroupPlan:
     out_tokens: torch.Tensor | slice
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _kv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
-    _extras: dict[str, torch.Tensor | None] = field(default_factory=dict)
 
+    @functools.cached_property
     def beyond_seq_len(self) -> torch.Tensor | None:
         """[num_reqs, num_keys] True past each request's length; None if nothing is."""
-        if "beyond" not in self._extras:
-            beyond = np.arange(self.num_keys)[None, :] >= self.seq_lens.numpy()[:, None]
-            self._extras["beyond"] = torch.from_numpy(beyond) if beyond.any() else None
-        return self._extras["beyond"]
+        beyond = np.arange(self.num_keys)[None, :] >= self.seq_lens.numpy()[:, None]
+        return torch.from_numpy(beyond) if beyond.any() else None
 
     def kv_rows(self, num_blocks: int) -> torch.Tensor:
         """Rows of the cache viewed as [2 * num_blocks, ...]: the keys' blocks, then the values'."""
@@ -126,9 +125,7 @@ def _plan_group(
     flat_real = real.reshape(-1)
     real_tokens = query_tokens[flat_real]
     first, count = int(real_tokens[0]), len(real_tokens)
-    contiguous = int(real_tokens[-1]) - first == count - 1 and bool(
-        (np.diff(real_tokens) == 1).all()
-    )
+    contiguous = bool((np.diff(real_tokens) == 1).all())
     return GroupPlan(
         num_reqs=n,
         block_ids=torch.from_numpy(block_table[req_idx, :num_blocks].reshape(-1).astype(np.int64)),
@@ -253,14 +250,14 @@ class CPUBatchedImpl(AttentionImpl):
         slots = metadata.slot_mapping
         num_new = min(key.shape[0], slots.shape[0])
         kernel.paged_decode_f32(
-            query.data_ptr(), row_stride(query),
-            key.data_ptr(), row_stride(key),
-            value.data_ptr(), row_stride(value),
+            query.data_ptr(), query.stride(0),
+            key.data_ptr(), key.stride(0),
+            value.data_ptr(), value.stride(0),
             slots.data_ptr(), num_new,
             kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
             group.block_ids.data_ptr(), group.num_blocks,
             group.seq_lens.data_ptr(), group.query_tokens.data_ptr(),
-            output.data_ptr(), row_stride(output),
+            output.data_ptr(), output.stride(0),
             group.num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
             kv_cache.shape[2], spec.scale, spec.sliding_window or 0, torch.get_num_threads(),
         )  # fmt: skip
@@ -276,7 +273,7 @@ class CPUBatchedImpl(AttentionImpl):
         kv = kv_cache.view(2 * num_blocks, -1).index_select(0, rows).to(dtype)
         shape = (2, group.num_reqs, group.num_blocks * block_size, num_kv_heads, head_size)
         kv = kv.view(shape)[:, :, : group.num_keys]
-        beyond = group.beyond_seq_len()
+        beyond = group.beyond_seq_len
         if beyond is not None:  # other requests' old data: masked out, but inf/NaN would leak
             kv.masked_fill_(beyond[None, :, :, None, None], 0)
         kv = kv.transpose(2, 3)

@@ -33,8 +33,6 @@ import shutil
 import subprocess
 import tempfile
 
-import torch
-
 from compile_runtime.cache.location import cache_root
 
 logger = logging.getLogger(__name__)
@@ -182,10 +180,3 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
     fn.restype = None
     return lib
-
-
-def row_stride(t: torch.Tensor) -> int:
-    """Elements between rows of a [tokens, heads, head_size] view whose rows are dense."""
-    if t.stride(2) != 1 or t.stride(1) != t.shape[2]:
-        raise ValueError(f"heads of shape {tuple(t.shape)} strides {t.stride()} are not dense")
-    return t.stride(0)

@@ -41,7 +41,6 @@ PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 class _Packed:
     weight: weakref.ref  # the parameter the copy was made from
     version: int
-    shape: torch.Size
     packed: torch.Tensor
 
 
@@ -108,7 +107,7 @@ def pack_weight(weight: torch.Tensor) -> None:
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
     _packed[key] = _Packed(
-        weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version, weight.shape, packed
+        weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version, packed
     )
 
 

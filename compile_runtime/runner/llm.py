@@ -204,28 +204,26 @@ class LLM:
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
-        with torch.inference_mode():
-            while self.scheduler.has_unfinished():
-                step_start = time.perf_counter()
-                so = self.scheduler.schedule()
-                self.executor.execute_model(so)
-                out = self.executor.sample_tokens()
-                now = time.perf_counter() - start
-                if so.num_scheduled_tokens and all(
-                    n == 1 for n in so.num_scheduled_tokens.values()
-                ):
-                    stats.decode_step_seconds.append(time.perf_counter() - step_start)
-                for req_id, token, lp in zip(
-                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
-                ):
-                    if token is not None:
-                        stats.output_tokens += 1
-                        first_token.setdefault(req_id, now)
-                        if lp is not None and req_id in logprobs:
-                            logprobs[req_id].append(lp)
-                finished = self.scheduler.update_from_output(so, out)
-                bar.update(len(finished))
-                stats.steps += 1
+        # The runner steps under torch.inference_mode (in whichever process it lives).
+        while self.scheduler.has_unfinished():
+            step_start = time.perf_counter()
+            so = self.scheduler.schedule()
+            self.executor.execute_model(so)
+            out = self.executor.sample_tokens()
+            now = time.perf_counter() - start
+            if so.num_scheduled_tokens and all(n == 1 for n in so.num_scheduled_tokens.values()):
+                stats.decode_step_seconds.append(time.perf_counter() - step_start)
+            for req_id, token, lp in zip(
+                out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
+            ):
+                if token is not None:
+                    stats.output_tokens += 1
+                    first_token.setdefault(req_id, now)
+                    if lp is not None and req_id in logprobs:
+                        logprobs[req_id].append(lp)
+            finished = self.scheduler.update_from_output(so, out)
+            bar.update(len(finished))
+            stats.steps += 1
         bar.close()
         stats.seconds = time.perf_counter() - start
         stats.first_token_seconds = [
