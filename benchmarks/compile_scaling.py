@@ -4,6 +4,12 @@ For models of several depths, each in a fresh process with an empty Inductor
 cache (a cold start): seconds to the first output, Inductor compilations,
 Dynamo traces over 20 token counts, and seconds for all 20 sizes.
 
+Every row does the same work: all 20 sizes compiled. Stock ``dynamic=False``
+compiles one graph per size, more than Dynamo's default recompile limit (8),
+after which it would run the rest eagerly; so the stock rows raise the limit
+above the number of sizes, count the frames Dynamo gave up on, and fail if
+there is any.
+
     python benchmarks/compile_scaling.py [--layers 2 8 32] [--out benchmarks/results/compile_scaling.json]
 """
 
@@ -18,12 +24,15 @@ import time
 from fresh_process import run_child
 
 TOKEN_COUNTS = [16, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 17, 24, 31, 32, 33, 48, 64, 100, 128]
+# Above one graph per size, so stock dynamic=False never falls back to eager.
+STOCK_RECOMPILE_LIMIT = 2 * len(TOKEN_COUNTS)
 VARIANTS = ["piecewise", "piecewise-nodedup", "stock-dynamic-none", "stock-dynamic-false"]
 
 
 def run_variant(variant: str, num_layers: int) -> dict:
     """Runs in a child process: build, compile, run all token counts, report counts."""
     import torch
+    from torch._dynamo.utils import counters
 
     import compile_runtime as cr
     from compile_runtime.testing import build_transformer
@@ -46,7 +55,8 @@ def run_variant(variant: str, num_layers: int) -> dict:
             backend=counting_inductor,
             dynamic=None if variant == "stock-dynamic-none" else False,
         )
-    torch._dynamo.config.recompile_limit = 8  # the stock default, stated
+    if not variant.startswith("piecewise"):
+        torch._dynamo.config.recompile_limit = STOCK_RECOMPILE_LIMIT
 
     def step(n: int):
         return model(torch.randint(0, 128, (n,)), torch.arange(n))
@@ -58,6 +68,13 @@ def run_variant(variant: str, num_layers: int) -> dict:
         for n in TOKEN_COUNTS[1:]:
             step(n)
         total = time.perf_counter() - start
+    given_up = counters["frames"]["total"] - counters["frames"]["ok"]
+    if given_up:
+        raise SystemExit(
+            f"{variant}, {num_layers} layers: Dynamo gave up on {given_up} frame(s), which then ran "
+            "eagerly (not the same work as the other rows); run with TORCH_LOGS=recompiles,"
+            "graph_breaks to see why, and raise STOCK_RECOMPILE_LIMIT if it is the recompile limit"
+        )
     if variant.startswith("piecewise"):
         traces["n"] = counter.num_graphs_seen
         inductor = counter.num_inductor_compiles
@@ -69,7 +86,9 @@ def run_variant(variant: str, num_layers: int) -> dict:
         "first_call_s": round(first, 2),
         "all_20_sizes_s": round(total, 2),
         "dynamo_traces": traces["n"],
+        "dynamo_graphs": counters["stats"]["unique_graphs"],
         "inductor_compiles": inductor,
+        "eager_fallback_frames": given_up,
     }
 
 
@@ -93,17 +112,27 @@ def main() -> None:
             rows.append(run_child(__file__, variant, str(layers)))
             print(rows[-1], file=sys.stderr)
 
-    header = "| layers | variant | first call s | 20 sizes s | Dynamo traces | Inductor compiles |"
-    print(header)
-    print("|---|---|---|---|---|---|")
+    print(
+        "| layers | variant | first call s | 20 sizes s | Dynamo traces | Inductor compiles "
+        "| eager fallback frames |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['layers']} | {r['variant']} | {r['first_call_s']} | {r['all_20_sizes_s']} | "
-            f"{r['dynamo_traces']} | {r['inductor_compiles']} |"
+            f"{r['dynamo_traces']} | {r['inductor_compiles']} | {r['eager_fallback_frames']} |"
         )
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
-        json.dump({"token_counts": TOKEN_COUNTS, "rows": rows}, f, indent=2)
+        json.dump(
+            {
+                "token_counts": TOKEN_COUNTS,
+                "stock_recompile_limit": STOCK_RECOMPILE_LIMIT,
+                "rows": rows,
+            },
+            f,
+            indent=2,
+        )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,22 @@ largest step, the ``auto:FILE`` default), and at 16 and 8 sizes against the
 default ladder thinned to as many. "padded/step" is the expected padded
 tokens per step; "waste" is padded over real tokens.
 
+Every ladder is planned from one run of the workload's generator (the fit
+run) and scored twice: on that run ("fit", in-sample, flattering to the
+plans) and on a held-out run of the same generator with another seed
+("held-out", what a plan can expect on traffic it has not seen). The
+held-out columns are the ones to judge a plan by.
+
 With ``--latency`` (CUDA; on a CPU it runs without graphs or padding, as a
 smoke test only) it also times forward steps of a Llama-shaped model (bf16,
 8 layers, hidden 1024) with piecewise CUDA graphs captured at each ladder's
-sizes, on the same sample of steps per workload: mean milliseconds per step.
+sizes, on the same sample of held-out steps per workload: mean milliseconds
+per step.
 Attention runs dense over the step's (padded) tokens, no KV cache: the
 same work for every ladder, so the difference is padding and graph reuse.
 
-    python benchmarks/padding.py [--steps 20000] [--seed 0] [--out benchmarks/results/padding.json]
+    python benchmarks/padding.py [--steps 20000] [--seed 0] [--holdout-seed 1000]
+                                 [--out benchmarks/results/padding.json]
     python benchmarks/padding.py --latency [--device cuda] [--latency-steps 300]
 """
 
@@ -149,6 +157,20 @@ def bursty(step: int, rng: random.Random):
 WORKLOADS = {"steady-decode": steady_decode, "chunked-prefill": chunked_prefill, "bursty": bursty}
 
 
+def summarize(workload: Workload, seed: int) -> dict:
+    hist = workload.combined()
+    return {
+        "seed": seed,
+        "steps": workload.num_steps,
+        "decode_steps": sum(workload.decode.values()),
+        "mixed_steps": sum(workload.mixed.values()),
+        "distinct_sizes": len(hist),
+        "min": min(hist),
+        "max": max(hist),
+        "mean": workload.num_tokens / workload.num_steps,
+    }
+
+
 # ---- padding ------------------------------------------------------------------------------
 
 
@@ -172,43 +194,50 @@ def ladders(histogram: Counter[int]) -> list[tuple[str, list[int]]]:
     return out
 
 
-def padding_rows(name: str, workload: Workload) -> list[dict]:
-    histogram = workload.combined()
+def _score(histogram: Counter[int], sizes: list[int]) -> dict:
+    cost = ladder_cost(histogram, sizes)
+    return {
+        "in_graphs": cost.coverage,
+        "padded_per_step": cost.padded_per_step,
+        "waste": cost.waste_fraction,
+    }
+
+
+def padding_rows(name: str, fit: Workload, heldout: Workload) -> list[dict]:
+    """Ladders planned from ``fit``, each scored on ``fit`` and on ``heldout``."""
+    fit_hist, heldout_hist = fit.combined(), heldout.combined()
     rows = []
-    for ladder_name, sizes in ladders(histogram):
-        start = time.perf_counter()
-        cost = ladder_cost(histogram, sizes, ladder_name)
+    for ladder_name, sizes in ladders(fit_hist):
         rows.append(
             {
                 "workload": name,
                 "ladder": ladder_name,
-                "graphs": cost.num_sizes,
+                "graphs": len(set(sizes)),
                 "largest": max(sizes) if sizes else None,
-                "in_graphs": cost.coverage,
-                "padded_per_step": cost.padded_per_step,
-                "waste": cost.waste_fraction,
-                "sizes": list(cost.sizes),
-                "seconds": time.perf_counter() - start,
+                "sizes": sorted(set(sizes)),
+                "fit": _score(fit_hist, sizes),
+                "heldout": _score(heldout_hist, sizes),
             }
         )
     return rows
 
 
 def markdown(rows: list[dict], latency: bool) -> str:
-    head = ["workload", "ladder", "graphs", "largest", "steps in graphs", "padded/step", "waste"]
+    head = ["workload", "ladder", "graphs", "largest"]
+    for split in ("fit", "held-out"):
+        head += [f"in graphs ({split})", f"padded/step ({split})", f"waste ({split})"]
     if latency:
-        head.append("ms/step")
+        head.append("ms/step (held-out)")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        cells = [
-            r["workload"],
-            r["ladder"],
-            str(r["graphs"]),
-            str(r["largest"]),
-            f"{r['in_graphs']:.1%}",
-            f"{r['padded_per_step']:.2f}",
-            f"{r['waste']:.2%}",
-        ]
+        cells = [r["workload"], r["ladder"], str(r["graphs"]), str(r["largest"])]
+        for split in ("fit", "heldout"):
+            score = r[split]
+            cells += [
+                f"{score['in_graphs']:.1%}",
+                f"{score['padded_per_step']:.2f}",
+                f"{score['waste']:.2%}",
+            ]
         if latency:
             cells.append("-" if r.get("ms_per_step") is None else f"{r['ms_per_step']:.3f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -309,7 +338,15 @@ class LatencyBench:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=int, default=20000, help="scheduler steps per workload")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the runs the ladders are planned from"
+    )
+    p.add_argument(
+        "--holdout-seed",
+        type=int,
+        default=None,
+        help="seed of the held-out runs they are scored on (default: --seed + 1000)",
+    )
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     p.add_argument("--latency", action="store_true", help="also time steps with graphs (CUDA)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
@@ -325,6 +362,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    holdout_seed = args.seed + 1000 if args.holdout_seed is None else args.holdout_seed
+    if holdout_seed == args.seed:
+        raise SystemExit("--holdout-seed must differ from --seed: a plan is scored on other data")
     if args.latency and args.device is None:
         import torch
 
@@ -333,31 +373,24 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {}
     bench: LatencyBench | None = None
     for i, name in enumerate(args.workloads):
-        start = time.perf_counter()
-        workload = simulate(WORKLOADS[name], args.steps, args.seed + i)
-        hist = workload.combined()
+        fit = simulate(WORKLOADS[name], args.steps, args.seed + i)
+        heldout = simulate(WORKLOADS[name], args.steps, holdout_seed + i)
         summaries[name] = {
-            "steps": workload.num_steps,
-            "decode_steps": sum(workload.decode.values()),
-            "mixed_steps": sum(workload.mixed.values()),
-            "distinct_sizes": len(hist),
-            "min": min(hist),
-            "max": max(hist),
-            "mean": workload.num_tokens / workload.num_steps,
-            "simulate_s": round(time.perf_counter() - start, 2),
+            "fit": summarize(fit, args.seed + i),
+            "heldout": summarize(heldout, holdout_seed + i),
         }
         print(f"# {name}: {summaries[name]}", file=sys.stderr)
         if args.save_workloads:
             from compile_runtime.runner.workload import WorkloadRecorder
 
             rec = WorkloadRecorder()
-            rec.mixed, rec.decode = workload.mixed, workload.decode
+            rec.mixed, rec.decode = fit.mixed, fit.decode
             Path(args.save_workloads).mkdir(parents=True, exist_ok=True)
             rec.save(str(Path(args.save_workloads) / f"{name}.json"))
-        workload_rows = padding_rows(name, workload)
+        workload_rows = padding_rows(name, fit, heldout)
         if args.latency:
             bench = bench or LatencyBench(args)
-            steps = sample_steps(workload, args.latency_steps, args.seed)
+            steps = sample_steps(heldout, args.latency_steps, holdout_seed)
             for row in workload_rows:
                 row["ms_per_step"] = bench.time(row["sizes"], steps)
                 print(f"#   {row['ladder']}: {row['ms_per_step']:.3f} ms/step", file=sys.stderr)
@@ -371,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
             {
                 "budget": BUDGET,
                 "max_num_seqs": MAX_NUM_SEQS,
+                "steps": args.steps,
+                "seed": args.seed,
+                "holdout_seed": holdout_seed,
                 "device": args.device if args.latency else None,
                 "workloads": summaries,
                 "rows": rows,

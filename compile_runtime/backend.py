@@ -31,7 +31,12 @@ from compile_runtime.cudagraph import wrap_piece
 from compile_runtime.graph_hash import piece_hash
 from compile_runtime.passes.manager import PassManager
 from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
-from compile_runtime.split import Piece, direct_splitting_piece, split_graph
+from compile_runtime.split import (
+    Piece,
+    check_splitting_ops,
+    direct_splitting_piece,
+    split_graph,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +132,13 @@ class CompilerBackend:
             return default_splitting_ops()
         return list(self.config.splitting_ops)
 
+    @property
+    def attention_split(self) -> bool | None:
+        """Whether the split produced splitting-op pieces; None before the trace."""
+        if self.split_gm is None:
+            return None
+        return any(p.is_splitting_op for p in self.pieces)
+
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         compilation_counter.num_graphs_seen += 1
         start = time.perf_counter()
@@ -148,7 +160,19 @@ class CompilerBackend:
         self, gm: torch.fx.GraphModule, fake_mode: Any, fake_args: list[Any], start: float
     ) -> torch.fx.GraphModule:
         gm = self.pass_manager(gm)
+        check_splitting_ops(self.splitting_ops)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
+        num_splitting = sum(p.is_splitting_op for p in pieces)
+        if self.splitting_ops and not num_splitting:
+            logger.log(
+                logging.WARNING if self.config.splitting_ops is not None else logging.INFO,
+                "%s: splitting_ops %s match no op in the graph, so it is one piece with any "
+                "attention inside and gets no piecewise CUDA graphs (the model runner resolves "
+                "cudagraph_mode without them; elsewhere pass attention_split="
+                "compile_runtime.decorator.attention_split(model) to CompilationConfig.resolve)",
+                self.model_tag,
+                self.splitting_ops,
+            )
         compilation_counter.num_piecewise_graphs_seen += len(pieces)
         compilation_counter.num_piecewise_capturable_graphs_seen += sum(
             not p.is_splitting_op for p in pieces
@@ -166,13 +190,18 @@ class CompilerBackend:
             runtime = compiler.runtimes[piece.name]
             # A compiled artifact is not an nn.Module: put it in place through __dict__.
             split_gm._modules.pop(piece.name)
-            split_gm.__dict__[piece.name] = wrap_piece(
-                runtime,
-                self.config,
-                graph=piece.graph,
-                index=piece.index,
-                is_first=i == 0,
-                is_last=i == len(capturable) - 1,
+            # Unsplit, the one piece may hold attention: never a piecewise graph of it.
+            split_gm.__dict__[piece.name] = (
+                wrap_piece(
+                    runtime,
+                    self.config,
+                    graph=piece.graph,
+                    index=piece.index,
+                    is_first=i == 0,
+                    is_last=i == len(capturable) - 1,
+                )
+                if num_splitting
+                else runtime
             )
             self.runtimes.append(runtime)
 
@@ -188,7 +217,7 @@ class CompilerBackend:
             "compiled %s: %d pieces (%d splitting ops), %d unique, sizes [general%s], %.2f s",
             self.model_tag,
             len(pieces),
-            sum(p.is_splitting_op for p in pieces),
+            num_splitting,
             self.result.unique_pieces,
             "".join(f", {s}" for s in self.config.compile_sizes),
             self.result.seconds,

@@ -1,13 +1,102 @@
-"""The ``compile-runtime`` command."""
+"""The ``compile-runtime`` command.
+
+A user error (bad argument, config, model directory, cache entry) ends in one
+line on stderr, ``compile-runtime: error: ...``, and exit status 2; ``-vv``
+adds its traceback. Anything else is a bug and keeps its traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import traceback
 
 from pydantic import ValidationError
+from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
+from compile_runtime.runner.model_runner import ModelRunnerError
+
+# ValueError covers pydantic's ValidationError, JSON errors and most of our own
+# error classes (CacheError, WeightLoadingError, CudagraphModeError, ...);
+# ModelRunnerError says what to change (a KV cache too small for max_model_len).
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    ValueError,
+    OSError,
+    SafetensorError,
+    ModelRunnerError,
+)
+
+
+def format_error(error: BaseException) -> str:
+    """``error`` in one line; a pydantic error as ``Model: field: message; field: message``."""
+    if isinstance(error, ValidationError):
+        fields = []
+        for e in error.errors():
+            where = ".".join(map(str, e["loc"]))
+            message = e["msg"].removeprefix("Value error, ")
+            fields.append(f"{where}: {message}" if where else message)
+        return f"{error.title}: " + "; ".join(fields)
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def _int_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
+        return value
+
+    return parse
+
+
+def _float_in(low: float, high: float, low_open: bool = False):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if not (low < value <= high if low_open else low <= value <= high):
+            raise argparse.ArgumentTypeError(
+                f"{value} is not in {'(' if low_open else '['}{low}, {high}]"
+            )
+        return value
+
+    return parse
+
+
+def _device(text: str) -> str:
+    """A device this machine has: ``cpu``, ``cuda`` or ``cuda:N``."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (device.index or 0) >= count:
+            raise argparse.ArgumentTypeError(
+                f"{text}: this machine has {count} CUDA device(s); use --device cpu"
+                + (" or a lower index" if count else "")
+            )
+    return text
+
+
+positive_int = _int_at_least(1)
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error in one line: the full usage is one ``--help`` away."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _config_show(args: argparse.Namespace) -> int:
@@ -31,8 +120,10 @@ def _generate(args: argparse.Namespace) -> int:
         args.model,
         parse_config(args.compilation_config),
         dtype=args.dtype,
+        device=args.device,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
@@ -66,8 +157,16 @@ def _generate(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from compile_runtime import __version__
 
-    parser = argparse.ArgumentParser(prog="compile-runtime", description=__doc__)
+    parser = _Parser(prog="compile-runtime", description=__doc__)
     parser.add_argument("--version", action="version", version=f"compile-runtime {__version__}")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="count",
+        default=0,
+        help="-v: show INFO logs (what was compiled, loaded, captured); -vv: DEBUG, and the "
+        "traceback of an error",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     config = sub.add_parser("config", help="show configuration")
@@ -86,21 +185,30 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
-    gen.add_argument("--max-tokens", type=int, default=32)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--max-tokens", type=positive_int, default=32)
+    gen.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0)
+    gen.add_argument("--top-k", type=_int_at_least(0), default=0, help="0: off")
+    gen.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    gen.add_argument("--max-num-seqs", type=int, default=16)
-    gen.add_argument("--max-num-batched-tokens", type=int, default=256)
+    gen.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"
+    )
+    gen.add_argument("--max-num-seqs", type=positive_int, default=16)
+    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
+    gen.add_argument(
+        "--max-model-len", type=positive_int, default=512, help="prompt + output tokens per request"
+    )
     gen.add_argument("--use-transformers", action="store_true", help="run through the adapter")
-    gen.add_argument("--tensor-parallel-size", type=int, default=1)
+    gen.add_argument("--tensor-parallel-size", type=positive_int, default=1)
     gen.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
     gen.add_argument(
-        "--num-threads", type=int, default=None, help="CPU threads (default: the free cores)"
+        "--num-threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: the free cores)",
     )
     gen.set_defaults(func=_generate)
 
@@ -116,12 +224,20 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if hasattr(args, "prepare"):
-        args.prepare(args)
+    # Warnings (a downgraded cudagraph_mode, a quarantined cache entry) must reach the user.
+    logging.basicConfig(
+        level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
+        format="%(levelname)s %(name)s: %(message)s",
+    )
     try:
+        if hasattr(args, "prepare"):
+            args.prepare(args)
         return args.func(args)
-    except (ValidationError, ValueError, FileNotFoundError) as e:
-        parser.exit(2, f"compile-runtime: error: {e}\n")
+    except USER_ERRORS as e:
+        if args.verbose > 1:
+            traceback.print_exc()
+        print(f"compile-runtime: error: {format_error(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -154,6 +154,27 @@ def _coerce_enum(enum_cls: type[enum.Enum], value: Any) -> Any:
     return value
 
 
+def check_inductor_options(options: dict[str, Any]) -> None:
+    """Every key must be an option of ``torch._inductor.config`` (dotted, e.g. "triton.cudagraphs")."""
+    import difflib
+
+    from torch._inductor import config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    for key in options:
+        if key in known:
+            continue
+        members = sorted(k for k in known if k.startswith(f"{key}."))
+        close = difflib.get_close_matches(key, known, n=3)
+        if members:
+            hint = f"set its options one by one with dotted keys, e.g. {members[0]!r}"
+        elif close:
+            hint = f"did you mean {' or '.join(map(repr, close))}?"
+        else:
+            hint = "see torch._inductor.config for the options"
+        raise ValueError(f"{key!r} is not an Inductor option; {hint}")
+
+
 class CompilationConfig(BaseModel):
     """What the user sets. Loads from a dict, JSON, or a ``-O`` JSON string."""
 
@@ -218,6 +239,14 @@ class CompilationConfig(BaseModel):
             raise ValueError(f"max_cudagraph_capture_size {v} is not positive")
         return v
 
+    @field_validator("inductor_compile_config")
+    @classmethod
+    def _known_inductor_options(cls, v: dict[str, Any]) -> dict[str, Any]:
+        """Reject a misspelt option here, not deep inside the first compile."""
+        if v:
+            check_inductor_options(v)
+        return v
+
     @model_validator(mode="after")
     def _sizes_agree_with_max(self) -> CompilationConfig:
         sizes, max_size = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size
@@ -267,7 +296,14 @@ class CompilationConfig(BaseModel):
         uniform_decode_query_len: int = 1,
         cuda_available: bool | None = None,
     ) -> ResolvedModes:
-        """Effective modes for this machine and these attention backends."""
+        """Effective modes for this machine and these attention backends.
+
+        ``attention_split``: whether the traced graph really has splitting-op
+        pieces; once the model is traced pass what its split produced
+        (``compile_runtime.decorator.attention_split(model)``), since a
+        ``splitting_ops`` entry can match nothing. None guesses from
+        ``splitting_ops`` alone.
+        """
         if attention_split is None:
             attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0
         if cuda_available is None:
@@ -334,7 +370,14 @@ def resolve_cudagraph_mode(
     def downgrade(new: CUDAGraphMode, why: str) -> None:
         nonlocal mode
         if new != mode:
-            logger.info("cudagraph_mode %s -> %s: %s", mode.name, new.name, why)
+            # The default mode is downgraded routinely; an explicit request the user must see.
+            logger.log(
+                logging.WARNING if explicit else logging.INFO,
+                "cudagraph_mode %s -> %s: %s",
+                mode.name,
+                new.name,
+                why,
+            )
             reasons.append(why)
             mode = new
 
@@ -345,10 +388,14 @@ def resolve_cudagraph_mode(
             f"piecewise graphs need CompilationMode.PIECEWISE (mode is {compilation_mode.name})",
         )
     if piecewise_compiled and not attention_split:
+        no_split = (
+            "the graph has no splitting-op pieces (splitting_ops=[], or none of them is in "
+            "the graph), so a piecewise graph would capture attention"
+        )
         if mode == CUDAGraphMode.PIECEWISE:
-            downgrade(CUDAGraphMode.NONE, "splitting_ops=[] leaves no pieces to capture")
+            downgrade(CUDAGraphMode.NONE, no_split)
         elif mode == CUDAGraphMode.FULL_AND_PIECEWISE:
-            downgrade(CUDAGraphMode.FULL, "splitting_ops=[] leaves no pieces to capture")
+            downgrade(CUDAGraphMode.FULL, no_split)
     can_piecewise = piecewise_compiled and attention_split
 
     if mode.mixed_mode() == CUDAGraphMode.FULL and min_cg_support < AttentionCGSupport.ALWAYS:

@@ -15,7 +15,11 @@ What it costs: whatever Python decided during the first trace is baked in.
 A branch such as ``if x.shape[0] > 4`` takes the side the first call took,
 for every later size too (tests/test_compile.py shows it). Model code must
 keep shape-dependent control flow out of ``forward`` (put it in the runner,
-or in a custom op).
+or in a custom op). The same goes for an argument that may be None: the
+branch on ``x is None`` is baked in too, so every call must pass each such
+argument as the first call did (None, or a tensor); a call that does not is
+an error naming the argument (``TracedArgumentError``), never an answer
+computed without it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import types
 import typing
 from collections.abc import Callable
@@ -34,6 +39,7 @@ import torch.fx.experimental._config as fx_config
 from compile_runtime.backend import CompilerBackend
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
 from compile_runtime.counter import compilation_counter
+from compile_runtime.split import SplittingOpError
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +50,10 @@ IGNORE_ATTR = "_compile_runtime_ignore"
 
 class GraphBreakError(RuntimeError):
     """The model's forward cannot be traced as one graph."""
+
+
+class TracedArgumentError(TypeError):
+    """A call passes None where the trace saw a tensor, or the reverse."""
 
 
 def ignore_compile(cls: M) -> M:
@@ -125,6 +135,23 @@ def compile(
     return decorate(cls) if cls is not None else decorate
 
 
+def attention_split(model: torch.nn.Module) -> bool | None:
+    """Whether a compiled forward in ``model`` was split at a splitting op.
+
+    What ``CompilationConfig.resolve(attention_split=...)`` needs once the
+    model is traced: piecewise CUDA graphs are only safe when the split really
+    took attention out of the pieces. None when nothing in ``model`` is traced.
+    """
+    splits = [
+        compiled.backend.attention_split
+        for module in model.modules()
+        if (compiled := module.__dict__.get("_compile_runtime")) is not None
+        and compiled.backend is not None
+        and compiled.backend.attention_split is not None
+    ]
+    return any(splits) if splits else None
+
+
 def _private_forward(model: torch.nn.Module) -> Callable[..., Any]:
     """``model.forward`` bound over a private copy of its code object.
 
@@ -153,6 +180,9 @@ class CompiledForward:
         self.model_name = type(model).__name__
         self.traced = False
         self.direct: Callable[..., Any] | None = None  # Dynamo's bytecode, after the trace
+        # (name, position, default, was None at the trace) of every argument that was None
+        # or a tensor at the trace: the trace took its None-or-not branch for good.
+        self.none_pattern: tuple[tuple[str, int, Any, bool], ...] = ()
         if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
             self.backend = None
             self.compiled = torch.compile(model.forward, backend=config.backend)
@@ -170,15 +200,21 @@ class CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.backend is None:  # stock torch.compile: Dynamo decides
             return self.compiled(*args, **kwargs)
+        if self.direct is None and not self.traced:
+            return self._first_call(*args, **kwargs)
+        num_args = len(args)
+        for name, position, default, was_none in self.none_pattern:
+            value = args[position] if position < num_args else kwargs.get(name, default)
+            if (value is None) is not was_none:
+                self._raise_none_pattern_changed(args, kwargs)
         if self.direct is not None:
             return self.direct(*args, **kwargs)
-        if self.traced:
-            with torch.compiler.set_stance("fail_on_recompile"):
-                return self.compiled(*args, **kwargs)
-        return self._first_call(*args, **kwargs)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            return self.compiled(*args, **kwargs)
 
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
+        self.none_pattern = self._record_none_pattern(bound)
         for name, dims in self.dims.items():
             value = bound.arguments.get(name)
             if isinstance(value, torch.Tensor):
@@ -196,10 +232,47 @@ class CompiledForward:
                 "Move the offending code out of forward, make it a custom op, or run with "
                 "CompilationMode.NONE / STOCK_TORCH_COMPILE."
             ) from None
+        except torch._dynamo.exc.BackendCompilerFailed as e:
+            if isinstance(e.inner_exception, SplittingOpError):  # a config error: say only that
+                raise e.inner_exception from None
+            raise
         finally:
             hook.remove()
         self.traced = True
         return out
+
+    def _record_none_pattern(
+        self, bound: inspect.BoundArguments
+    ) -> tuple[tuple[str, int, Any, bool], ...]:
+        """Which arguments were None and which were tensors at the trace (checked every call)."""
+        bound.apply_defaults()
+        pattern = []
+        for position, (name, param) in enumerate(self.signature.parameters.items()):
+            value = bound.arguments.get(name)
+            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or not (
+                value is None or isinstance(value, torch.Tensor)
+            ):
+                continue
+            if param.kind == param.KEYWORD_ONLY:
+                position = sys.maxsize  # never in args
+            pattern.append((name, position, param.default, value is None))
+        return tuple(pattern)
+
+    def _raise_none_pattern_changed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        bound = self.signature.bind(*args, **kwargs)  # a missing argument: Python's TypeError
+        bound.apply_defaults()
+        for name, _, _, was_none in self.none_pattern:
+            value = bound.arguments[name]
+            if (value is None) is not was_none:
+                then = "None" if was_none else "a tensor"
+                now = "None" if value is None else f"a {type(value).__name__}"
+                raise TracedArgumentError(
+                    f"{self.model_name}.forward was traced with {name} as {then}, but this call "
+                    f"passes {now}. The one trace serves every call, so whether {name} is None "
+                    f"was fixed at the trace. Pass {name} as {then} on every call to this model "
+                    "instance; for the other case build a second instance (it traces its own), "
+                    "or run with CompilationMode.NONE / STOCK_TORCH_COMPILE."
+                )
 
     def _keep_bytecode(self, code: types.CodeType, new_code: types.CodeType) -> None:
         """Bytecode hook: keep what Dynamo made of our private forward as a callable."""

@@ -17,7 +17,11 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from compile_runtime.attention_op import ATTENTION_OP_NAME, call_attention_layer
+from compile_runtime.attention_op import (
+    ATTENTION_OP_NAME,
+    call_attention_layer,
+    default_splitting_ops,
+)
 
 
 @dataclass
@@ -26,6 +30,10 @@ class Piece:
     index: int
     graph: torch.fx.GraphModule
     is_splitting_op: bool
+
+
+class SplittingOpError(ValueError):
+    """A ``splitting_ops`` entry names no registered op."""
 
 
 def op_name(node: torch.fx.Node) -> str | None:
@@ -39,13 +47,54 @@ def op_name(node: torch.fx.Node) -> str | None:
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: list[str]) -> bool:
+    """Whether the node calls a splitting op, named ``ns::op`` or ``ns::op.overload``."""
     if node.op != "call_function":
         return False
     name = op_name(node)
     if name is None:
         return False
-    base = name.split(".")[0]
-    return name in splitting_ops or base in splitting_ops
+    if name in splitting_ops:
+        return True
+    overload = getattr(node.target, "_overloadname", None)  # None: a packet, any overload
+    prefix = name + "."
+    return any(
+        entry.startswith(prefix) and overload in (None, entry[len(prefix) :])
+        for entry in splitting_ops
+    )
+
+
+def _registered(name: str) -> bool:
+    namespace, sep, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    if not (sep and namespace and op):
+        return False
+    try:
+        packet = getattr(getattr(torch.ops, namespace), op)
+        if overload:
+            getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return False
+    return isinstance(packet, torch._ops.OpOverloadPacket)
+
+
+def check_splitting_ops(splitting_ops: list[str]) -> None:
+    """Every entry must name a registered op: a typo would leave attention inside the pieces.
+
+    Checked when the graph is split, not when the config is made: a model's
+    own custom ops may register after its config exists.
+    """
+    for name in splitting_ops:
+        if _registered(name):
+            continue
+        namespace, _, rest = name.partition(".")
+        guess = f"{namespace}::{rest}"  # "aten.mm" for "aten::mm"
+        hint = f" (did you mean {guess!r}?)" if "::" not in name and _registered(guess) else ""
+        raise SplittingOpError(
+            f"splitting_ops entry {name!r} is not a registered op{hint}. Name ops as "
+            "'namespace::op' or 'namespace::op.overload' (as in torch.ops.namespace.op) and "
+            "register custom ops before the first forward. This package's splitting ops: "
+            f"{default_splitting_ops()}; splitting_ops=None uses them."
+        )
 
 
 def split_graph(

@@ -26,11 +26,15 @@ ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
     "mistral": {"sliding_window": None},
     "qwen2": {},
     "qwen3": {"head_dim": 16},
+    # Sliding window on alternate layers, small enough that the test prompts exceed it;
+    # attention and final logit soft caps at transformers' defaults (50, 30).
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "sliding_window": 8},
 }
 
 
 def tiny_config(arch: str = "llama", **overrides: Any):
-    """A small config of the given architecture (``llama``, ``mistral``, ``qwen2``, ``qwen3``)."""
+    """A small config of the given architecture (``llama``, ``mistral``, ``qwen2``, ``qwen3``,
+    ``gemma2``, or any other transformers knows, with its defaults)."""
     from transformers import AutoConfig
 
     kwargs: dict[str, Any] = dict(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -46,7 +47,10 @@ AttentionCGSupport = cr.AttentionCGSupport
 
 
 def dense_reference(
-    batch: PagedBatch, scale: float, sliding_window: int | None = None
+    batch: PagedBatch,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention request by request over the full keys, in float64, [actual, H, D]."""
     starts = batch.query_start_loc_cpu.tolist()
@@ -63,6 +67,8 @@ def dense_reference(
         if sliding_window:
             visible &= k_pos > q_pos - sliding_window
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if soft_cap:
+            scores = soft_cap * torch.tanh(scores / soft_cap)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         outs.append(torch.einsum("hqk,khd->qhd", probs, v))
     return torch.cat(outs)
@@ -146,6 +152,53 @@ def test_cpu_backend_sliding_window(name, window):
     spec = AttentionSpec(4, 2, 64, 0.125, sliding_window=window)
     out, _ = run_backend(name, batch, spec)
     assert (out.double() - dense_reference(batch, 0.125, window)).abs().max() < 1e-5
+
+
+SOFT_CAP_CASES = [
+    ("torch_native", False),
+    ("cpu_batched", False),  # torch ops (explicit math: SDPA cannot cap)
+    ("cpu_batched", True),  # the C decode kernel for the decodes, torch ops for the prefills
+]
+
+
+@pytest.mark.parametrize("name, kernel", SOFT_CAP_CASES)
+@pytest.mark.parametrize("cap, window", [(0.5, None), (5.0, None), (2.0, 7)])
+def test_cpu_backend_logits_soft_cap(monkeypatch, name, kernel, cap, window):
+    """Gemma 2's cap on the scaled logits, in every CPU path, against the written-out math."""
+    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+
+    if kernel:
+        assert cpu_decode_kernel.load_decode_kernel() is not None  # CI machines have a compiler
+    else:
+        monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
+    batch = make_paged_batch(
+        [1, 9, 1, 30], [70, 20, 3, 0], num_heads=8, num_kv_heads=2, head_size=64,
+        block_size=16, num_padding=2, seed=5,
+    )  # fmt: skip
+    spec = AttentionSpec(8, 2, 64, 0.125, sliding_window=window, logits_soft_cap=cap)
+    out, cache = run_backend(name, batch, spec)
+    n = batch.num_actual_tokens
+    ref = dense_reference(batch, 0.125, window, soft_cap=cap)
+    assert (out[:n].double() - ref).abs().max() < 1e-5
+    assert (ref - dense_reference(batch, 0.125, window)).abs().max() > 1e-2  # the cap matters
+    assert torch.equal(out[n:], torch.zeros_like(out[n:]))
+    assert torch.equal(cache[:, 1:], batch.expected_cache()[:, 1:])
+
+
+def test_cpu_batched_logits_soft_cap_half_precision():
+    batch = make_paged_batch(
+        [1, 5, 1], [30, 10, 3], num_heads=4, num_kv_heads=2, head_size=64, block_size=16,
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    spec = AttentionSpec(4, 2, 64, 0.125, dtype=torch.bfloat16, logits_soft_cap=0.5)
+    out, _ = run_backend("cpu_batched", batch, spec)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - dense_reference(batch, 0.125, soft_cap=0.5)).abs().max() < 2e-2
+
+
+def test_spec_rejects_a_non_positive_soft_cap():
+    with pytest.raises(ValueError, match="logits_soft_cap must be positive"):
+        AttentionSpec(4, 2, 64, 0.125, logits_soft_cap=0.0)
 
 
 @pytest.mark.parametrize(
@@ -352,14 +405,16 @@ def _qkv(n: int, heads: int, kv_heads: int, d: int, seed: int = 0):
     )
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_layer_without_metadata_is_dense_causal_attention(window):
-    layer = Attention(4, 32, 0.2, num_kv_heads=2, prefix="dense", sliding_window=window)
+@pytest.mark.parametrize("window, cap", [(None, None), (3, None), (None, 0.5), (3, 2.0)])
+def test_layer_without_metadata_is_dense_causal_attention(window, cap):
+    layer = Attention(
+        4, 32, 0.2, num_kv_heads=2, prefix="dense", sliding_window=window, logits_soft_cap=cap
+    )
     q, k, v = _qkv(9, 4, 2, 32)
     batch = make_paged_batch([9], [0], num_heads=4, num_kv_heads=2, head_size=32, block_size=16)
     batch.query = q.view(9, 4, 32)
     batch.full_keys, batch.full_values = [k.view(9, 2, 32)], [v.view(9, 2, 32)]
-    ref = dense_reference(batch, 0.2, window).reshape(9, -1)
+    ref = dense_reference(batch, 0.2, window, soft_cap=cap).reshape(9, -1)
     assert (layer(q, k, v).double() - ref).abs().max() < 1e-5  # no forward context
     with cr.set_forward_context(None):  # a dummy run
         assert (layer(q, k, v).double() - ref).abs().max() < 1e-5
@@ -483,6 +538,20 @@ def test_flashinfer_imports_anywhere_and_selecting_it_here_says_what_to_install(
         FlashInferBackend.make_builder(
             AttentionSpec(2, 2, 64, 1.0, dtype=torch.float16), 16, 4, "cpu"
         )
+
+
+@pytest.mark.parametrize("layer", [{"sliding_window": 8}, {"logits_soft_cap": 50.0}])
+def test_flashinfer_refuses_a_layer_planned_for_another_window_or_cap(layer):
+    """The step's wrappers are planned with one spec's window and cap: another layer's would
+    silently run with them (Gemma 2 alternates windows)."""
+    from compile_runtime.backends.attention.flashinfer_attn import FlashInferState
+
+    planned = AttentionSpec(4, 2, 64, 0.125, dtype=torch.float16)
+    state = FlashInferState(None, 1, True, torch.float16, planned)
+    impl = FlashInferBackend.make_impl(AttentionSpec(4, 2, 64, 0.125, dtype=torch.float16, **layer))
+    q, kv = torch.zeros(1, 4, 64, dtype=torch.float16), torch.zeros(1, 2, 64, dtype=torch.float16)
+    with pytest.raises(AttentionBackendError, match="need another backend"):
+        impl.forward(q, kv, kv, None, SimpleNamespace(backend_state=state), torch.empty_like(q))
 
 
 def test_backend_declarations_and_head_size_checks():

@@ -16,7 +16,7 @@ import pytest
 import torch
 from compile_runtime.backends.attention.triton_attn import interpreter_enabled
 from hypothesis import given, settings
-from test_attention import batch_shapes, run_backend, spec_of
+from test_attention import batch_shapes, dense_reference, run_backend, spec_of
 from triton_interpreter import run_interpreted
 
 from compile_runtime.attention import AttentionSpec
@@ -74,3 +74,18 @@ def test_triton_with_padded_requests_as_in_a_full_graph():
     spec = AttentionSpec(2, 2, 64, 0.125)
     assert_matches_torch_native(batch, spec, for_cudagraph=True)  # 12 padded -> 12 requests
     assert_matches_torch_native(batch, spec, num_reqs_padded=8)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("cap, window", [(0.5, None), (2.0, 20)])
+def test_triton_logits_soft_cap(cap, window):
+    """The kernel's tanh cap on the scaled logits: equal to the written-out math."""
+    batch = make_paged_batch(
+        [6, 1, 1], [12, 40, 0], num_heads=4, num_kv_heads=2, head_size=64, block_size=16
+    )
+    spec = AttentionSpec(4, 2, 64, 0.125, sliding_window=window, logits_soft_cap=cap)
+    assert_matches_torch_native(batch, spec)
+    out, _ = run_backend("triton", batch, spec)
+    ref = dense_reference(batch, 0.125, window, soft_cap=cap)
+    assert (out[: batch.num_actual_tokens].double() - ref).abs().max() < 1e-5
+    assert (ref - dense_reference(batch, 0.125, window)).abs().max() > 1e-2  # the cap matters

@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import torch
+
 import compile_runtime as cr
 
 
@@ -24,7 +26,11 @@ def test_config_show_prints_json_and_resolution():
     body, _, summary = out.stdout.rpartition("# resolved:")
     data = json.loads(body)
     assert data["cudagraph_mode"] == "FULL" and data["backend"] == "eager"
-    assert "cudagraph_mode=NONE" in summary  # this machine has no CUDA
+    if torch.cuda.is_available():  # ALWAYS attention support keeps FULL as asked
+        assert "cudagraph_mode=FULL (decode=FULL, mixed=FULL)" in summary
+    else:  # without CUDA every graph mode resolves to NONE, with a warning
+        assert "cudagraph_mode=NONE (decode=NONE, mixed=NONE)" in summary
+        assert "CUDA is not available: cudagraph_mode FULL -> NONE" in out.stderr
 
 
 def test_config_show_bad_input_is_usage_error():

@@ -10,7 +10,8 @@ import compile_runtime as cr
 from compile_runtime.testing import build_transformer
 
 counter = cr.compilation_counter
-INDUCTOR = cr.CompilationConfig(backend="inductor")
+# No compile cache: a hit left by an earlier test would stand in for the compiles counted here.
+INDUCTOR = cr.CompilationConfig(backend="inductor", disable_cache=True)
 
 
 def ids(n: int, vocab: int = 64) -> torch.Tensor:
@@ -51,11 +52,19 @@ def test_inductor_compiles_do_not_grow_with_layers():
 def test_tiny_transformer_inductor_matches_eager():
     ref = build_transformer(cr.CompilationConfig(mode="NONE"))
     model = build_transformer(INDUCTOR.model_copy(update={"compile_sizes": [8]}))
-    with torch.no_grad():
+    with (
+        torch.no_grad(),
+        counter.expect(
+            num_models_seen=0,  # counted when the model was built
+            num_graphs_seen=1,  # one trace serves every size, 1 included
+            num_backend_compilations=3 * 2,  # 3 unique pieces x (general + size 8)
+            num_inductor_compiles=3 * 2,
+            num_eager_compiles=0,
+        ),
+    ):
         for n in (8, 1, 3, 8, 16, 37):
             input_ids, positions = ids(n, 128), torch.arange(n)
             torch.testing.assert_close(
                 model(input_ids, positions), ref(input_ids, positions), rtol=1e-4, atol=1e-4
             )
-    assert counter.num_graphs_seen >= 1
     assert model._compile_runtime.backend.result.unique_pieces == 3

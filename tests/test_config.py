@@ -231,28 +231,49 @@ def test_enums_by_name_and_round_trip():
         parse_config("{mode: ")
 
 
-def test_compute_hash():
+def test_compute_hash_is_stable():
     base = cr.CompilationConfig()
     assert base.compute_hash() == cr.CompilationConfig().compute_hash()
-    assert base.compute_hash() == cr.CompilationConfig(cache_dir="/elsewhere").compute_hash()
-    assert base.compute_hash() == cr.CompilationConfig(debug_dump_path="/tmp/x").compute_hash()
-    for changed in [
-        {"mode": "DYNAMO_TRACE_ONCE"},
-        {"backend": "eager"},
-        {"splitting_ops": []},
-        {"compile_sizes": [8]},
-        {"cudagraph_mode": "PIECEWISE"},
-        {"pass_config": {"enable_fusion": False}},
-        {"inductor_compile_config": {"max_autotune": True}},
-    ]:
-        assert cr.CompilationConfig(**changed).compute_hash() != base.compute_hash(), changed
+    assert base.compute_hash() == parse_config(base.to_json()).compute_hash()
 
 
-def test_every_field_is_hashed_unless_listed():
+# One valid value per CompilationConfig field, different from its default. A new field
+# fails test_every_field_is_hashed_unless_listed until it gets a mutation here.
+FIELD_MUTATIONS = {
+    "mode": "DYNAMO_TRACE_ONCE",
+    "backend": "eager",
+    "splitting_ops": [],
+    "compile_sizes": [8],
+    "cudagraph_mode": "PIECEWISE",
+    "cudagraph_capture_sizes": [1, 2, 4],
+    "max_cudagraph_capture_size": 64,
+    "cudagraph_num_warmups": 3,
+    "cache_dir": "/elsewhere",
+    "disable_cache": True,
+    "pass_config": {"enable_fusion": False},  # every flag: test_passes.py
+    "inductor_compile_config": {"max_autotune": True},
+    "dedupe_pieces": False,
+    "debug_dump_path": "/tmp/x",
+}
+
+
+@pytest.mark.parametrize("name", sorted(cr.CompilationConfig.model_fields))
+def test_every_field_is_hashed_unless_listed(name):
+    """A field that changes compiled code must change the cache key; a listed one must not."""
+    assert name in FIELD_MUTATIONS, f"add a valid non-default value for {name} to FIELD_MUTATIONS"
+    base = cr.CompilationConfig()
+    changed = cr.CompilationConfig(**{name: FIELD_MUTATIONS[name]})
+    assert getattr(changed, name) != getattr(base, name)  # the mutation really changes the field
+    if name in cr.CompilationConfig.HASH_EXCLUDED_FIELDS:
+        assert changed.compute_hash() == base.compute_hash()
+    else:
+        assert changed.compute_hash() != base.compute_hash()
+
+
+def test_hash_excluded_fields_and_mutations_name_real_fields():
     fields = set(cr.CompilationConfig.model_fields)
     assert cr.CompilationConfig.HASH_EXCLUDED_FIELDS <= fields
-    dumped = set(json.loads(json.dumps(cr.CompilationConfig().model_dump(mode="json"))))
-    assert dumped == fields
+    assert set(FIELD_MUTATIONS) == fields
 
 
 def test_set_compilation_config_nests():

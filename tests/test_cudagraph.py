@@ -288,14 +288,15 @@ def pieces_of(model):
     return [v for v in split_gm.__dict__.values() if isinstance(v, CUDAGraphWrapper)]
 
 
-def test_backend_leaves_pieces_unwrapped_without_cuda():
-    if torch.cuda.is_available():
-        pytest.skip("checks the CPU default")
+def test_backend_wraps_pieces_only_where_graphs_can_run():
+    """Without CUDA (and no stand-in factory) pieces stay plain; with CUDA each static piece is
+    wrapped (the wrappers only act when the forward context says PIECEWISE)."""
+    cuda = torch.cuda.is_available()
     config = piecewise_config()
-    assert not piecewise_cudagraphs_enabled(config)
-    model = build(config)
+    assert piecewise_cudagraphs_enabled(config) is cuda
+    model = build(config, num_layers=3)
     model(torch.arange(3))
-    assert pieces_of(model) == []
+    assert len(pieces_of(model)) == (3 + 1 if cuda else 0)
 
 
 @pytest.mark.parametrize("num_layers", [1, 3])

@@ -24,7 +24,11 @@ from compile_runtime.verify import (
     verify_model,
 )
 
-EAGER = cr.CompilationConfig(backend="eager", disable_cache=True)
+# No piecewise graphs: these models stay on the CPU, and on a CUDA machine the pieces would
+# otherwise be wrapped and "captured" with no GPU work in them.
+EAGER = cr.CompilationConfig(backend="eager", disable_cache=True, cudagraph_mode="NONE")
+CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if CUDA else "cpu"
 
 
 def batch(n: int = 7, vocab: int = 128):
@@ -88,13 +92,18 @@ def test_wrong_post_grad_pass_is_caught_at_the_first_piece_it_touches():
 @pytest.mark.slow
 def test_correct_inductor_model_passes_within_float32_tolerance():
     model = build_transformer(cr.CompilationConfig(backend="inductor", disable_cache=True))
-    report = verify_model(model, *batch())
+    report = verify_model(model.to(DEVICE), *(t.to(DEVICE) for t in batch()))
     assert report.ok, report.format()
     assert [p.kind for p in report.pieces] == ["compiled", "splitting op"] * 2 + ["compiled"]
     assert all(0 <= p.max_abs <= 1e-4 for p in compiled(report))
     assert report.end_to_end_max_abs < 1e-4
-    assert report.graphs == "off (no CUDA device)"
     assert (report.atol, report.rtol) == (1e-4, 1e-4)
+    if CUDA:  # the default FULL_AND_PIECEWISE wraps every piece: replays are compared too
+        assert report.graphs == "piecewise graphs on: each compiled piece captured and replayed"
+        assert all(p.graph_ok and p.graph_max_abs <= 1e-4 for p in compiled(report))
+    else:
+        assert report.graphs == "off (no CUDA device)"
+        assert all(p.graph_max_abs is None for p in compiled(report))
 
 
 # ---- the eager adaptor, wrapped to go wrong (fast) ------------------------------------
@@ -261,7 +270,11 @@ def test_check_cli_prints_table_and_exits_by_result(model_dirs, capsys, wrong_co
     argv = ["check", "--model", model, "-O", '{"backend": "eager", "disable_cache": true}']
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "| piece |" in out and "OK: all" in out and "CUDA graphs: off" in out
+    assert "| piece |" in out and "OK: all" in out
+    if CUDA:  # the model loads onto the GPU and its pieces are captured and replayed
+        assert "CUDA graphs: piecewise graphs on" in out and f"on {DEVICE}" in out
+    else:
+        assert "CUDA graphs: off (no CUDA device)" in out and "on cpu" in out
 
     wrong_compile(0)
     assert main([*argv, "--json"]) == 1

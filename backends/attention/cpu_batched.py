@@ -18,6 +18,8 @@ tokens, one layer): batch 32 decode 3.0 ms as a per-request loop, 0.62 ms here
 (about half of it the gather); SDPA's GQA flag costs 10-25% more than the
 grouped view, a hand-written matmul/softmax 2-5x more, and the same math
 compiled by Inductor (gather fused into the loops) was slower than the loop.
+SDPA cannot soft-cap logits: layers with ``logits_soft_cap`` take that
+hand-written path (``masked_attention``) instead.
 """
 
 from __future__ import annotations
@@ -27,10 +29,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel
 
+from compile_runtime.attention.dense import masked_attention
 from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import (
     AttentionMetadata,
@@ -259,7 +261,8 @@ class CPUBatchedImpl(AttentionImpl):
             group.seq_lens.data_ptr(), group.query_tokens.data_ptr(),
             output.data_ptr(), output.stride(0),
             group.num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
-            kv_cache.shape[2], spec.scale, spec.sliding_window or 0, torch.get_num_threads(),
+            kv_cache.shape[2], spec.scale, spec.logits_soft_cap or 0.0, spec.sliding_window or 0,
+            torch.get_num_threads(),
         )  # fmt: skip
 
     def _keys_values(
@@ -289,7 +292,7 @@ class CPUBatchedImpl(AttentionImpl):
         mask = group.mask(spec.sliding_window)
         if mask is not None:  # [reqs, 1, 1, keys]: the same for every query head
             mask = mask[:, :, :1]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale)
+        out = masked_attention(q, k, v, mask, spec.scale, spec.logits_soft_cap)
         output[group.out_tokens] = out.view(group.num_reqs, spec.num_heads, spec.head_size)
 
     def _prefill(
@@ -299,12 +302,13 @@ class CPUBatchedImpl(AttentionImpl):
         k, v = self._keys_values(kv_cache, group, query.dtype)
         q = query.index_select(0, group.query_tokens)
         q = q.view(group.num_reqs, group.max_query_len, spec.num_heads, spec.head_size)
-        out = F.scaled_dot_product_attention(
+        out = masked_attention(
             q.transpose(1, 2),
             k,
             v,
-            attn_mask=group.mask(spec.sliding_window),
-            scale=spec.scale,
+            group.mask(spec.sliding_window),
+            spec.scale,
+            spec.logits_soft_cap,
             enable_gqa=spec.num_queries_per_kv > 1,
         )
         rows = out.transpose(1, 2).reshape(-1, spec.num_heads, spec.head_size)

@@ -58,7 +58,8 @@ static void write_kv(const float* key, int64_t key_stride, const float* value,
  * query  [tokens, H, D] with row stride q_stride; request b's query is row tokens[b].
  * caches [num_blocks, bs, KVH, D] contiguous; block_ids [B, nb]; seq_lens [B].
  * out    [tokens, H, D] with row stride out_stride.
- * Query head h attends with KV head h / (H / KVH). window > 0: only the last
+ * Query head h attends with KV head h / (H / KVH). softcap > 0: scaled scores
+ * become softcap * tanh(score / softcap) (Gemma 2). window > 0: only the last
  * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
  * runtime other than torch's would still use it.
  */
@@ -71,7 +72,7 @@ void paged_decode_f32(const float* query, int64_t q_stride,
                       const int64_t* seq_lens, const int64_t* tokens,
                       float* out, int64_t out_stride,
                       int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                      float scale, int64_t window, int64_t num_threads) {
+                      float scale, float softcap, int64_t window, int64_t num_threads) {
     const int64_t G = H / KVH, row = KVH * D;
     write_kv(key, key_stride, value, value_stride, slots, num_new_tokens, k_cache, v_cache,
              row);
@@ -93,7 +94,8 @@ void paged_decode_f32(const float* query, int64_t q_stride,
                     float dot = 0.f;
                     #pragma omp simd reduction(+:dot)
                     for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                    scores[g * n + t] = dot * scale;
+                    const float x = dot * scale;
+                    scores[g * n + t] = softcap > 0.f ? softcap * tanhf(x / softcap) : x;
                 }
             }
             for (int64_t g = 0; g < G; g++) {
@@ -177,6 +179,6 @@ def load_decode_kernel() -> ctypes.CDLL | None:
     fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
-    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, i64, i64]
+    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, i64]
     fn.restype = None
     return lib

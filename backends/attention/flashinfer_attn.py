@@ -56,6 +56,7 @@ class FlashInferState:
     num_tokens: int
     decode: bool
     dtype: torch.dtype
+    spec: AttentionSpec  # window and soft cap are planned into the wrapper
 
 
 class FlashInferMetadataBuilder(AttentionMetadataBuilder):
@@ -115,6 +116,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 self.block_size,
                 pos_encoding_mode="NONE",
                 window_left=window_left,
+                logits_soft_cap=spec.logits_soft_cap,
                 sm_scale=spec.scale,
                 q_data_type=spec.dtype,
                 kv_data_type=spec.dtype,
@@ -131,12 +133,13 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 self.block_size,
                 causal=True,
                 window_left=window_left,
+                logits_soft_cap=spec.logits_soft_cap,
                 sm_scale=spec.scale,
                 q_data_type=spec.dtype,
                 kv_data_type=spec.dtype,
             )
         metadata.backend_state = FlashInferState(
-            wrapper, num_tokens, metadata.uniform_decode, spec.dtype
+            wrapper, num_tokens, metadata.uniform_decode, spec.dtype, spec
         )
 
     def _paged_kv(
@@ -221,6 +224,14 @@ class FlashInferImpl(AttentionImpl):
             raise AttentionBackendError(
                 f"flashinfer was planned for {state.dtype} but the query is {query.dtype}; build "
                 "the model (and so its Attention layers) under the dtype it runs in"
+            )
+        planned = (state.spec.sliding_window, state.spec.logits_soft_cap)
+        if planned != (self.spec.sliding_window, self.spec.logits_soft_cap):
+            raise AttentionBackendError(
+                "flashinfer plans the sliding window and logit soft cap once per step, for "
+                f"(window, cap) = {planned}, but this layer has "
+                f"{(self.spec.sliding_window, self.spec.logits_soft_cap)}; models whose layers "
+                "differ (Gemma 2 alternates windows) need another backend, e.g. triton"
             )
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         n = state.num_tokens

@@ -43,6 +43,7 @@ class TorchNativeImpl(AttentionImpl):
                 v.to(query.dtype),
                 self.spec.scale,
                 self.spec.sliding_window,
+                self.spec.logits_soft_cap,
             )
         output[metadata.num_actual_tokens :].zero_()
 

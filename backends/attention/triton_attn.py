@@ -47,6 +47,7 @@ class TritonImpl(AttentionImpl):
             metadata.block_table,
             self.spec.scale,
             self.spec.sliding_window,
+            self.spec.logits_soft_cap,
         )
 
 

@@ -5,7 +5,8 @@ depends only on the padded token count: the same launch serves any mix of
 prefill chunks and decodes and can be captured in a FULL CUDA graph. Each
 program finds its request by binary search over ``query_start_loc``, walks
 that request's blocks through the block table with an online softmax, and
-masks keys after its own position (and before its sliding window). The
+masks keys after its own position (and before its sliding window), after
+soft-capping the scaled logits when the layer has a cap (Gemma 2). The
 program computes every query head that shares its KV head together, so each
 key block is loaded once per group.
 
@@ -49,6 +50,7 @@ def paged_attention_kernel(
     HEAD_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     SLIDING_WINDOW: tl.constexpr,  # 0 = none
+    SOFT_CAP: tl.constexpr,  # logits -> SOFT_CAP * tanh(logits / SOFT_CAP); 0 = none
     PRECISION: tl.constexpr,  # tl.dot input precision; only matters for float32
 ):
     token = tl.program_id(0)
@@ -109,6 +111,10 @@ def paged_attention_kernel(
         load_mask = kv_mask[:, None] & d_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offs, mask=load_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
+        if SOFT_CAP > 0:
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): exact at both infinities, and runs in the
+            # interpreter as well as on GPUs (tl has no portable tanh).
+            s = SOFT_CAP * (1.0 - 2.0 / (tl.exp(2.0 * s / SOFT_CAP) + 1.0))
         s = tl.where(kv_mask[None, :], s, float("-inf"))
         # Every visited block holds at least one visible key, so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -154,6 +160,7 @@ def paged_attention(
     block_table: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> None:
     """Attention of every token of ``query`` [tokens, heads, d] over its request's cache."""
     num_tokens, num_heads, head_size = query.shape
@@ -191,5 +198,6 @@ def paged_attention(
         HEAD_PAD=_pow2_at_least(head_size, 16),
         BLOCK_SIZE=block_size,
         SLIDING_WINDOW=sliding_window or 0,
+        SOFT_CAP=float(logits_soft_cap or 0.0),
         PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
     )

@@ -30,8 +30,9 @@ class CompilerAdaptor(abc.ABC):
         """Whether compiled pieces persist (the compile cache is a no-op otherwise)."""
         return False
 
-    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any]:
-        """Write ``piece`` to the file ``path``; return what ``load`` needs besides the file."""
+    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any] | None:
+        """Write ``piece`` to the file ``path``; return what ``load`` needs besides the file,
+        or None when this piece cannot be saved (the cache skips it; it compiles next time)."""
         raise NotImplementedError(f"the {self.name} adaptor does not save artifacts")
 
     def load(self, path: str, meta: dict[str, Any]) -> Callable[..., Any]:

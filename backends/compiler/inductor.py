@@ -7,6 +7,7 @@ The general piece is compiled with the symbolic sizes of the Dynamo trace
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import torch
@@ -14,6 +15,8 @@ import torch.fx
 from compile_runtime.backends.compiler.base import CompiledPiece, CompilerAdaptor
 
 from compile_runtime.counter import compilation_counter
+
+logger = logging.getLogger(__name__)
 
 
 def returns_tuple(graph: torch.fx.GraphModule) -> bool:
@@ -47,6 +50,7 @@ class InductorAdaptor(CompilerAdaptor):
         self.config_patches = dict(config_patches or {})
         # A compile_runtime.passes.PassManager: its post-grad passes run on every piece.
         self.pass_manager = pass_manager
+        self._warned_unsaveable = False
 
     def inductor_config(self, runtime_shape: int | None) -> dict[str, Any]:
         """The config patches for one compile, with the pass manager's post-grad pass."""
@@ -84,8 +88,26 @@ class InductorAdaptor(CompilerAdaptor):
     def can_save(self) -> bool:
         return True
 
-    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any]:
+    def save(self, piece: CompiledPiece, path: str) -> dict[str, Any] | None:
+        """None when Inductor kept nothing to save (its caches are off): warns once."""
         artifact, single = piece.handle
+        if not getattr(artifact, "is_saveable", lambda: True)():
+            if not self._warned_unsaveable:
+                self._warned_unsaveable = True
+                cause = (
+                    "inductor_compile_config sets fx_graph_cache=False, so Inductor keeps no "
+                    "artifact to save"
+                    if self.config_patches.get("fx_graph_cache") is False
+                    else "Inductor kept no artifact to save for a piece (are its caches off, "
+                    "e.g. TORCHINDUCTOR_FORCE_DISABLE_CACHES=1?)"
+                )
+                logger.warning(
+                    "%s: compiled pieces are not put in the compile cache and compile again at "
+                    "the next start. Leave Inductor's caches on to cache them, or set "
+                    "disable_cache=true to silence this.",
+                    cause,
+                )
+            return None
         artifact.save(path=path, format="binary")
         return {"single_output": single}
 

@@ -30,7 +30,9 @@ class Attention(nn.Module):
     head_size] -> output [tokens, num_heads * head_size]. The backend is
     picked from the default device and dtype at construction (build the model
     under ``with torch.device(...)`` and ``torch.set_default_dtype``), or by
-    name with ``backend=`` / ``use_attn_backend(name)``.
+    name with ``backend=`` / ``use_attn_backend(name)``. ``sliding_window`` and
+    ``logits_soft_cap`` (Gemma 2's tanh cap on the scaled logits) go to the
+    backend through the layer's ``AttentionSpec``.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class Attention(nn.Module):
         num_kv_heads: int | None = None,
         prefix: str = "",
         sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
         *,
         backend: str | None = None,
         dtype: torch.dtype | None = None,
@@ -51,6 +54,7 @@ class Attention(nn.Module):
         self.scale = scale
         self.num_kv_heads = num_kv_heads or num_heads
         self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
         self.spec = AttentionSpec(
             num_heads=num_heads,
             num_kv_heads=self.num_kv_heads,
@@ -58,6 +62,7 @@ class Attention(nn.Module):
             scale=scale,
             sliding_window=sliding_window,
             dtype=dtype or torch.get_default_dtype(),
+            logits_soft_cap=logits_soft_cap,
         )
         # Imported here: the backends import this package's metadata module.
         from compile_runtime.backends.attention.registry import get_attn_backend
@@ -70,9 +75,10 @@ class Attention(nn.Module):
 
     def extra_repr(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
+        cap = f", logits_soft_cap={self.logits_soft_cap}" if self.logits_soft_cap else ""
         return (
             f"{self.layer_name!r}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_size={self.head_size}, backend={self.attn_backend.name}{window}"
+            f"head_size={self.head_size}, backend={self.attn_backend.name}{window}{cap}"
         )
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,11 @@ class Attention(nn.Module):
         if is_forward_context_available():
             metadata = get_forward_context().metadata_for(self.layer_name)
         if metadata is None:
-            out.copy_(dense_causal_attention(q, k, v, self.scale, self.sliding_window))
+            out.copy_(
+                dense_causal_attention(
+                    q, k, v, self.scale, self.sliding_window, self.logits_soft_cap
+                )
+            )
             return
         if self.kv_cache is None:
             raise RuntimeError(

@@ -21,6 +21,8 @@ class AttentionSpec:
     # Each query sees itself and the ``sliding_window - 1`` tokens before it.
     sliding_window: int | None = None
     dtype: torch.dtype = torch.float32
+    # Scaled logits become ``cap * tanh(logits / cap)`` before masking and softmax (Gemma 2).
+    logits_soft_cap: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_size <= 0:
@@ -35,6 +37,10 @@ class AttentionSpec:
             )
         if self.sliding_window is not None and self.sliding_window <= 0:
             raise ValueError(f"sliding_window must be positive or None, got {self.sliding_window}")
+        if self.logits_soft_cap is not None and not self.logits_soft_cap > 0:
+            raise ValueError(
+                f"logits_soft_cap must be positive or None, got {self.logits_soft_cap}"
+            )
 
     @property
     def num_queries_per_kv(self) -> int:

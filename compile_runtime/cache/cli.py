@@ -5,11 +5,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import re
 from typing import Any
 
 from compile_runtime.cache import manage
-from compile_runtime.cache.location import cache_root
+from compile_runtime.cache.location import cache_root, check_root
 from compile_runtime.table import format_table
 
 _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -44,8 +45,13 @@ def _emit(args: argparse.Namespace, data: Any, text: str) -> None:
     print(json.dumps(data, indent=1, default=str) if args.json else text)
 
 
+def _corrupt_line(path: str, problem: str) -> str:
+    return f"CORRUPT {path}: {problem}; {manage.FIX_HINT}"
+
+
 def cmd_list(args: argparse.Namespace) -> int:
-    entries = manage.list_entries(args.root)
+    listed = manage.list_entries(args.root)
+    entries = [e for e in listed if not e.problem]
     rows = [
         [
             e.key,
@@ -73,17 +79,31 @@ def cmd_list(args: argparse.Namespace) -> int:
         "torch",
         "hits",
     ]
-    text = format_table(headers, rows) if rows else f"(no entries in {args.root})"
-    _emit(args, [{k: v for k, v in e.to_json().items() if k != "artifacts"} for e in entries], text)
+    damaged = {e.path: e.problem for e in listed if e.problem}
+    damaged.update({os.path.join(args.root, e.key): e.key_problem for e in listed if e.key_problem})
+    text = "\n".join(
+        ([format_table(headers, rows)] if rows else [])
+        + [_corrupt_line(path, problem) for path, problem in sorted(damaged.items())]
+    )
+    _emit(
+        args,
+        [{k: v for k, v in e.to_json().items() if k != "artifacts"} for e in listed],
+        text or f"(no entries in {args.root})",
+    )
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     data = manage.show(args.root, args.key)
     lines = [f"key {data['key']}  ({data['path']})", "", "key factors:"]
+    if data["factors_problem"]:
+        lines.append("  " + _corrupt_line(data["path"], data["factors_problem"]))
     for name, value in data["factors"].items():
         lines.append(f"  {name}: {json.dumps(value, sort_keys=True)}")
     for e in data["entries"]:
+        if e["problem"]:
+            lines += ["", _corrupt_line(e["path"], e["problem"])]
+            continue
         lines += [
             "",
             f"{e['rank']}/{e['model_tag']}: compiled in {e['compile_seconds']} s, "
@@ -160,6 +180,8 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     from compile_runtime.config import parse_config
     from compile_runtime.models.registry import load_model
 
+    if not os.path.isdir(model_dir):
+        raise manage.CacheError(f"--model {model_dir}: no such model directory")
     config = parse_config(config_json)
     model = load_model(model_dir, config)
     with key_only_tracing() as seen, torch.no_grad():
@@ -256,6 +278,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     add("import", cmd_import, "install an exported entry after checking it").add_argument("file")
 
     def resolve_root(args: argparse.Namespace) -> None:
-        args.root = cache_root(args.cache_dir)
+        args.root = check_root(cache_root(args.cache_dir))
 
     cache.set_defaults(prepare=resolve_root)

@@ -12,9 +12,12 @@ Layout under the cache root::
 Writes go to a temporary name, are flushed, then renamed, and the index is
 merged under a file lock: an entry is visible only when complete, and any
 number of processes starting together end with one good entry. Every
-artifact carries its sha256; a missing, truncated or foreign file is found
-on load, its entry moved to ``quarantine/`` with one warning, and the pieces
-compiled again.
+artifact carries its sha256; a missing, truncated or foreign artifact, or an
+index.json or meta.json that does not parse into what we wrote, is found on
+start, its entry moved to ``quarantine/`` with one warning, and the pieces
+compiled again. A damaged key_factors.json is written again from the factors
+of the start that finds it (they are what the key hashes), and the readable
+graph is rewritten by every start: neither is needed to load a piece.
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from compile_runtime.cache.files import file_sha256, read_json, write_atomic, wr
 from compile_runtime.cache.kernels import collect as collect_kernels
 from compile_runtime.cache.kernels import install as install_kernels
 from compile_runtime.cache.kernels import track_loaded_kernels
+from compile_runtime.cache.key import compute_key
+from compile_runtime.cache.location import check_root
 from compile_runtime.counter import compilation_counter
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,93 @@ def shape_name(shape: int | None) -> str:
 
 def index_key(piece_hash: str, shape: int | None, compiler: str) -> str:
     return f"{piece_hash}/{shape_name(shape)}/{compiler}"
+
+
+class DamagedEntryError(ValueError):
+    """A file of a cache entry is missing, does not parse, or does not hold what we wrote."""
+
+
+_NUMBER = (int, float)
+ARTIFACT_FIELDS: dict[str, Any] = {"artifact": str, "sha256": str, "bytes": int, "meta": dict}
+META_FIELDS: dict[str, Any] = {
+    "created": _NUMBER,
+    "last_used": _NUMBER,
+    "hits": int,
+    "compile_seconds": _NUMBER,
+    "pieces": list,
+    "shapes": list,
+}
+
+
+def _check_fields(obj: Any, fields: dict[str, Any], what: str, required: bool) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{what} is not a JSON object")
+    for name, kind in fields.items():
+        if name not in obj:
+            if required:
+                raise ValueError(f"{what} has no {name!r}")
+        elif not isinstance(obj[name], kind):
+            raise ValueError(f"{what} has {name}={obj[name]!r}")
+
+
+def _check_index(data: Any) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    _check_fields(data, {"artifacts": dict, "kernels": dict}, "it", required=False)
+    if "artifacts" not in data:
+        raise ValueError("it has no 'artifacts'")
+    for key, record in data["artifacts"].items():
+        if key.count("/") != 2:
+            raise ValueError(f"index key {key!r} is not piece_hash/shape/compiler")
+        _check_fields(record, ARTIFACT_FIELDS, f"record {key}", required=True)
+        parts = os.path.normpath(record["artifact"]).split(os.sep)
+        if len(parts) != 2 or parts[0] != ARTIFACTS:
+            raise ValueError(f"record {key} points outside {ARTIFACTS}/: {record['artifact']!r}")
+    kernels = data.get("kernels", {})
+    for rel, record in kernels.items():
+        _check_fields(record, {"sha256": str}, f"kernel record {rel}", required=True)
+    return data["artifacts"], kernels
+
+
+def _check_meta(data: Any) -> dict[str, Any]:
+    _check_fields(data, META_FIELDS, "it", required=False)
+    for piece in data.get("pieces", []):
+        _check_fields(piece, {"hash": str, "pieces": list}, "a piece group", required=True)
+    return data
+
+
+def _read_checked(path: str, check: Callable[[Any], Any]) -> Any:
+    name = os.path.basename(path)
+    if not os.path.exists(path):
+        raise DamagedEntryError(f"{name} is missing")
+    try:
+        return check(read_json(path))
+    except (ValueError, OSError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise DamagedEntryError(f"{name} is damaged ({e})") from None
+
+
+def read_index(entry_dir: str) -> tuple[dict[str, dict[str, Any]], dict[str, dict[str, Any]]]:
+    """The artifact and kernel records of an entry (DamagedEntryError if unusable)."""
+    return _read_checked(os.path.join(entry_dir, INDEX), _check_index)
+
+
+def read_meta(entry_dir: str) -> dict[str, Any]:
+    """An entry's meta.json ({} when there is none; DamagedEntryError if unusable)."""
+    path = os.path.join(entry_dir, META)
+    return _read_checked(path, _check_meta) if os.path.exists(path) else {}
+
+
+def read_factors(key_dir: str) -> dict[str, Any]:
+    """The key factors of a key directory, checked against the key they hash to."""
+    key = os.path.basename(os.path.normpath(key_dir))
+
+    def check(data: Any) -> dict[str, Any]:
+        _check_fields(data, {"versions": dict, "device": str}, "it", required=True)
+        if not isinstance(data["versions"].get("torch"), str):
+            raise ValueError("it names no torch version")
+        if compute_key(data) != key:
+            raise ValueError(f"it hashes to {compute_key(data)}, not to its key {key}")
+        return data
+
+    return _read_checked(os.path.join(key_dir, FACTORS), check)
 
 
 def verify_record(key_dir: str, record: dict[str, Any]) -> str | None:
@@ -108,13 +200,12 @@ class CacheEntry:
         )
         if self.ships_kernels:
             track_loaded_kernels()
-        index_path = os.path.join(self.dir, INDEX)
-        if os.path.exists(index_path):
+        if os.path.exists(os.path.join(self.dir, INDEX)):
             try:
-                stored = read_json(index_path)
-                self.index, self.kernels = stored["artifacts"], stored.get("kernels", {})
-            except (ValueError, KeyError) as e:
-                self._quarantine(f"index.json is unreadable ({e})")
+                self.index, self.kernels = read_index(self.dir)
+                read_meta(self.dir)  # commit() updates it: damage means the entry is suspect
+            except DamagedEntryError as e:
+                self._quarantine(str(e))
         if self.kernels:
             install_kernels(self.key_dir, self.kernels)
         self.new_index: dict[str, dict[str, Any]] = {}
@@ -144,11 +235,11 @@ class CacheEntry:
     def _read_other_ranks(self, rank: int) -> dict[str, dict[str, Any]]:
         records: dict[str, dict[str, Any]] = {}
         for name in sorted(os.listdir(self.key_dir)):
-            path = os.path.join(self.key_dir, name, self.model_tag, INDEX)
-            if name.startswith("rank_") and name != f"rank_{rank}" and os.path.exists(path):
+            entry_dir = os.path.join(self.key_dir, name, self.model_tag)
+            if name.startswith("rank_") and name != f"rank_{rank}":
                 try:
-                    records.update(read_json(path)["artifacts"])
-                except (ValueError, KeyError):
+                    records.update(read_index(entry_dir)[0])
+                except DamagedEntryError:  # missing or damaged: that rank's pieces compile here
                     continue
         return records
 
@@ -196,6 +287,8 @@ class CacheEntry:
         os.close(fd)
         try:
             meta = self.adaptor.save(piece, tmp)
+            if meta is None:  # the adaptor kept nothing to save (it said why): compile next time
+                return
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
             digest = file_sha256(tmp)
@@ -217,26 +310,29 @@ class CacheEntry:
 
     def commit(self, summary: dict[str, Any], graph_code: str) -> None:
         """Publish the index, meta and readable graph (merged under the key's lock)."""
+        if not self.new_index and not os.path.exists(os.path.join(self.dir, INDEX)):
+            self.release()  # nothing was saved (see store): an empty entry would only mislead
+            return
         os.makedirs(self.dir, exist_ok=True)
         with FileLock(os.path.join(self.key_dir, LOCK)):
-            factors_path = os.path.join(self.key_dir, FACTORS)
-            if not os.path.exists(factors_path):
-                write_json(factors_path, self.factors)
+            self._write_factors()
             index_path = os.path.join(self.dir, INDEX)
             merged = dict(self.new_index)
             if os.path.exists(index_path):  # another process finished first: keep its records
                 try:
-                    for k, record in read_json(index_path)["artifacts"].items():
+                    for k, record in read_index(self.dir)[0].items():
                         if k not in merged and verify_record(self.key_dir, record) is None:
                             merged[k] = record
-                except (ValueError, KeyError):
+                except DamagedEntryError:
                     pass
             kernels = collect_kernels(self.key_dir) if self.ships_kernels else {}
             kernels = {**self.kernels, **kernels}
             if merged != self.index or kernels != self.kernels or not os.path.exists(index_path):
                 write_json(index_path, {"version": 1, "artifacts": merged, "kernels": kernels})
-            meta_path = os.path.join(self.dir, META)
-            meta = read_json(meta_path) if os.path.exists(meta_path) else {}
+            try:
+                meta = read_meta(self.dir)
+            except DamagedEntryError:  # damaged since this start checked it: begin it again
+                meta = {}
             now = time.time()
             meta.setdefault("created", now)
             meta.setdefault("compile_seconds", summary.get("seconds", 0.0))
@@ -246,9 +342,24 @@ class CacheEntry:
             )
             meta.update({k: v for k, v in summary.items() if k != "seconds"})
             meta["model_tag"] = self.model_tag
-            write_json(meta_path, meta)
+            write_json(os.path.join(self.dir, META), meta)
             write_atomic(os.path.join(self.dir, GRAPH), graph_code.encode())
         self.release()
+
+    def _write_factors(self) -> None:
+        """Write key_factors.json when it is missing, or again when it is damaged."""
+        path = os.path.join(self.key_dir, FACTORS)
+        if os.path.exists(path):
+            try:
+                read_factors(self.key_dir)
+                return
+            except DamagedEntryError as e:
+                logger.warning(
+                    "compile cache %s: %s; writing it again from this start's factors",
+                    self.key_dir,
+                    e,
+                )
+        write_json(path, self.factors)
 
     def _quarantine(self, reason: str, bad_artifact: str | None = None) -> None:
         if os.path.isdir(self.dir):
@@ -274,6 +385,5 @@ def open_entry(
     model_tag: str,
     rank: int = 0,
 ) -> CacheEntry:
-    from compile_runtime.cache.key import compute_key
-
+    check_root(cache_dir)
     return CacheEntry(cache_dir, compute_key(factors), factors, adaptor, model_tag, rank)

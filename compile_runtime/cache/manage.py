@@ -1,6 +1,8 @@
 """Inspect and manage the compile cache: what ``compile-runtime cache ...`` runs.
 
-Each function returns plain data (the CLI prints it as a table or JSON).
+Each function returns plain data (the CLI prints it as a table or JSON). A
+damaged entry is data too: it is listed with its problem, never an exception
+that hides the rest of the cache.
 """
 
 from __future__ import annotations
@@ -22,18 +24,20 @@ from compile_runtime.cache.entry import (
     GRAPH,
     INDEX,
     LOCK,
-    META,
     QUARANTINE,
+    DamagedEntryError,
     quarantine_dir,
+    read_factors,
+    read_index,
+    read_meta,
     verify_record,
 )
-from compile_runtime.cache.files import file_sha256, read_json
+from compile_runtime.cache.files import file_sha256
 from compile_runtime.cache.kernels import KERNELS
-from compile_runtime.cache.key import compute_key, device_kind, diff_factors, versions
+from compile_runtime.cache.key import device_kind, diff_factors, versions
+from compile_runtime.cache.location import CacheError, check_root
 
-
-class CacheError(ValueError):
-    """A cache command cannot do what was asked (unknown key, incompatible import, ...)."""
+FIX_HINT = "run `compile-runtime cache verify --fix` to move it aside"
 
 
 @dataclass
@@ -53,13 +57,15 @@ class EntryInfo:
     pieces: list[dict[str, Any]] = field(default_factory=list)
     artifacts: dict[str, dict[str, Any]] = field(default_factory=dict)
     kernels: dict[str, dict[str, Any]] = field(default_factory=dict)
+    problem: str | None = None  # why its index.json or meta.json cannot be used
+    key_problem: str | None = None  # why its key's key_factors.json cannot be used
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def key_dirs(root: str) -> list[str]:
-    if not os.path.isdir(root):
+    if not os.path.isdir(check_root(root)):
         return []
     return sorted(
         name
@@ -70,24 +76,37 @@ def key_dirs(root: str) -> list[str]:
     )
 
 
+def _subdirs(path: str) -> list[str]:
+    return sorted(d for d in os.listdir(path) if os.path.isdir(os.path.join(path, d)))
+
+
+def _factors_or_problem(key_dir: str) -> tuple[dict[str, Any], str | None]:
+    try:
+        return read_factors(key_dir), None
+    except DamagedEntryError as e:
+        return {}, str(e)
+
+
 def iter_entries(root: str, key: str | None = None) -> Iterator[EntryInfo]:
     for k in [key] if key else key_dirs(root):
         key_dir = os.path.join(root, k)
-        factors_path = os.path.join(key_dir, FACTORS)
-        factors = read_json(factors_path) if os.path.exists(factors_path) else {}
-        for rank in sorted(d for d in os.listdir(key_dir) if d.startswith("rank_")):
-            for tag in sorted(os.listdir(os.path.join(key_dir, rank))):
+        factors, key_problem = _factors_or_problem(key_dir)
+        for rank in (d for d in _subdirs(key_dir) if d.startswith("rank_")):
+            for tag in _subdirs(os.path.join(key_dir, rank)):
                 path = os.path.join(key_dir, rank, tag)
                 if not os.path.exists(os.path.join(path, INDEX)):
                     continue
-                yield _entry_info(k, rank, tag, path, key_dir, factors)
+                info = _entry_info(k, rank, tag, path, factors)
+                info.key_problem = key_problem
+                yield info
 
 
-def _entry_info(key, rank, tag, path, key_dir, factors) -> EntryInfo:
-    stored = read_json(os.path.join(path, INDEX))
-    index = stored["artifacts"]
-    meta_path = os.path.join(path, META)
-    meta = read_json(meta_path) if os.path.exists(meta_path) else {}
+def _entry_info(key, rank, tag, path, factors) -> EntryInfo:
+    try:
+        index, kernels = read_index(path)
+        meta = read_meta(path)
+    except DamagedEntryError as e:
+        return EntryInfo(key, rank, tag, path, None, None, 0, 0, 0, 0, None, None, problem=str(e))
     unique = {r["artifact"]: r["bytes"] for r in index.values()}
     return EntryInfo(
         key=key,
@@ -104,7 +123,7 @@ def _entry_info(key, rank, tag, path, key_dir, factors) -> EntryInfo:
         compile_seconds=meta.get("compile_seconds"),
         pieces=meta.get("pieces", []),
         artifacts=index,
-        kernels=stored.get("kernels", {}),
+        kernels=kernels,
     )
 
 
@@ -127,10 +146,12 @@ def list_entries(root: str) -> list[EntryInfo]:
 def show(root: str, key: str) -> dict[str, Any]:
     key = resolve_key(root, key)
     key_dir = os.path.join(root, key)
+    factors, factors_problem = _factors_or_problem(key_dir)
     return {
         "key": key,
         "path": key_dir,
-        "factors": read_json(os.path.join(key_dir, FACTORS)),
+        "factors": factors,
+        "factors_problem": factors_problem,
         "entries": [
             {**e.to_json(), "graph": os.path.join(e.path, GRAPH)} for e in iter_entries(root, key)
         ],
@@ -142,7 +163,11 @@ def explain(old_factors: dict[str, Any], new_factors: dict[str, Any]) -> list[tu
 
 
 def factors_of(root: str, key: str) -> dict[str, Any]:
-    return read_json(os.path.join(root, resolve_key(root, key), FACTORS))
+    key = resolve_key(root, key)
+    try:
+        return read_factors(os.path.join(root, key))
+    except DamagedEntryError as e:
+        raise CacheError(f"entry {key}: {e}; {FIX_HINT}") from None
 
 
 def closest_entry(
@@ -151,36 +176,54 @@ def closest_entry(
     """The stored key whose factors differ least from ``factors`` (and the differences)."""
     best: tuple[str | None, list] = (None, [])
     for key in key_dirs(root):
-        path = os.path.join(root, key, FACTORS)
-        if not os.path.exists(path):
+        stored, problem = _factors_or_problem(os.path.join(root, key))
+        if problem:
             continue
-        diff = diff_factors(read_json(path), factors)
+        diff = diff_factors(stored, factors)
         if best[0] is None or len(diff) < len(best[1]):
             best = (key, diff)
     return best
 
 
 def verify(root: str, key: str | None = None, fix: bool = False) -> list[dict[str, Any]]:
-    """Every entry's problems (missing/corrupt artifacts); ``fix`` quarantines bad entries."""
+    """Every entry's problems: damaged index/meta/key factors, missing or corrupt artifacts
+    and kernels. ``fix`` moves bad entries to quarantine/ (a bad key_factors.json: the
+    whole key, since no entry under it can be explained or exported)."""
     keys = [resolve_key(root, key)] if key else key_dirs(root)
     report = []
     for k in keys:
         key_dir = os.path.join(root, k)
-        problems_by_entry = []
-        if not os.path.exists(os.path.join(key_dir, FACTORS)):
-            problems_by_entry.append((key_dir, ["key_factors.json is missing"]))
-        for info in iter_entries(root, k):
-            problems = [p for r in info.artifacts.values() if (p := verify_record(key_dir, r))]
-            problems += [
-                p for rel, r in info.kernels.items() if (p := _verify_kernel(key_dir, rel, r))
-            ]
-            problems_by_entry.append((info.path, sorted(set(problems))))
-        for path, problems in problems_by_entry:
-            row = {"key": k, "path": path, "ok": not problems, "problems": problems}
-            if problems and fix and path != key_dir:
-                with FileLock(os.path.join(key_dir, LOCK)):
-                    row["quarantined_to"] = quarantine_dir(root, path, "; ".join(problems))
-            report.append(row)
+        rows = []
+        entries = list(iter_entries(root, k))
+        key_problem = _factors_or_problem(key_dir)[1]
+        # Without entries a missing file means rank 0 is still compiling.
+        if key_problem and (entries or os.path.exists(os.path.join(key_dir, FACTORS))):
+            rows.append({"key": k, "path": key_dir, "problems": [key_problem]})
+        for info in entries:
+            if info.problem:
+                problems = [info.problem]
+            else:
+                problems = [p for r in info.artifacts.values() if (p := verify_record(key_dir, r))]
+                problems += [
+                    p for rel, r in info.kernels.items() if (p := _verify_kernel(key_dir, rel, r))
+                ]
+            rows.append({"key": k, "path": info.path, "problems": sorted(set(problems))})
+        for row in rows:
+            row["ok"] = not row["problems"]
+        if fix and any(row["path"] == key_dir for row in rows):
+            with FileLock(os.path.join(root, f".{k}.lock")):
+                target = quarantine_dir(root, key_dir, rows[0]["problems"][0])
+            for row in rows:  # every entry moved with its key
+                rel = os.path.relpath(row["path"], key_dir)
+                row["quarantined_to"] = os.path.normpath(os.path.join(target, rel))
+        elif fix:
+            for row in rows:
+                if row["problems"]:
+                    with FileLock(os.path.join(key_dir, LOCK)):
+                        row["quarantined_to"] = quarantine_dir(
+                            root, row["path"], "; ".join(row["problems"])
+                        )
+        report.extend(rows)
     return report
 
 
@@ -305,9 +348,10 @@ def import_archive(root: str, archive: str) -> str:
         if len(keys) != 1:
             raise CacheError(f"{archive} holds {len(keys)} entries; expected one exported entry")
         key = keys[0]
-        factors = read_json(os.path.join(tmp, key, FACTORS))
-        if compute_key(factors) != key:
-            raise CacheError(f"{archive}: key {key} does not match its key_factors.json")
+        try:
+            factors = read_factors(os.path.join(tmp, key))
+        except DamagedEntryError as e:
+            raise CacheError(f"{archive} is not a usable cache entry: {e}") from None
         problems = [p for r in verify(tmp, key) for p in r["problems"]]
         if problems:
             raise CacheError(f"{archive} is damaged: {problems}")

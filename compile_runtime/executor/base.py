@@ -14,13 +14,14 @@ import abc
 import dataclasses
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
+from pydantic import ConfigDict, Field, field_validator
 
 from compile_runtime.config import CompilationConfig
-from compile_runtime.runner.model_runner import RunnerConfig
+from compile_runtime.runner.model_runner import CheckedConfig, ConfigError, RunnerConfig
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 BACKENDS = ("uni", "mp", "ray")
@@ -39,23 +40,67 @@ class WorkerDiedError(ExecutorError):
         self.cause = cause
 
 
-@dataclass
-class EngineConfig:
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class EngineConfig(CheckedConfig):
     """Everything a worker needs to build its runner (plain data: it travels to workers)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     model_dir: str
     compilation_config: CompilationConfig
     runner_config: RunnerConfig
     dtype: torch.dtype = torch.float32
-    device: str | None = None
+    device: str | None = None  # None: CUDA when available, else CPU
     use_transformers: bool = False
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
     # Seconds a step may take before the driver gives up on a silent (hung) worker.
-    step_timeout_s: float = 600.0
+    step_timeout_s: float = Field(600.0, gt=0, description="seconds one step may take")
     # Seconds start-up (load, compile, capture) may take on any rank.
-    startup_timeout_s: float = 1800.0
+    startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
     # Environment variables set in every worker (Ray workers do not inherit the driver's).
-    worker_env: dict[str, str] = field(default_factory=dict)
+    worker_env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("dtype")
+    @classmethod
+    def _float_dtype(cls, v: torch.dtype) -> torch.dtype:
+        if v not in DTYPES:
+            raise ValueError(f"dtype {v} is not one of {', '.join(map(str, DTYPES))}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            kind = torch.device(v).type
+        except RuntimeError:  # not a device string at all
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {v!r}; use 'cpu', 'cuda' or 'cuda:N', or None")
+        return v
+
+
+def check_device_available(config: EngineConfig) -> None:
+    """Reject, before start-up, a CUDA device this machine does not have (local ranks only)."""
+    if config.device is None or torch.device(config.device).type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
+        raise ConfigError(
+            f"EngineConfig.device={config.device!r}: CUDA is not available here (torch "
+            f"{torch.__version__}, a {build} build); use device='cpu' or leave device unset"
+        )
+    index = torch.device(config.device).index
+    last = index if index is not None else config.tensor_parallel_size - 1
+    if last >= torch.cuda.device_count():
+        raise ConfigError(
+            f"EngineConfig.device={config.device!r} with tensor_parallel_size="
+            f"{config.tensor_parallel_size} needs GPU {last}, but this machine has "
+            f"{torch.cuda.device_count()}; use a lower index or fewer ranks"
+        )
 
 
 @dataclass
@@ -82,6 +127,8 @@ class Executor(abc.ABC):
 
     config: EngineConfig
     workers_info: list[WorkerInfo]
+    # False where ranks may run on other machines (Ray): this one's devices say nothing.
+    local_ranks: ClassVar[bool] = True
 
     @property
     def world_size(self) -> int:
@@ -158,19 +205,25 @@ def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Execu
 FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
 
 
-def check_model_for_tensor_parallel(config: EngineConfig) -> None:
-    """Reject, before any worker starts, a model that cannot run on ``tensor_parallel_size`` ranks."""
-    if config.tensor_parallel_size == 1:
-        return
+def check_model(config: EngineConfig) -> None:
+    """Reject, before any worker starts, a model this configuration cannot run."""
     from transformers import AutoConfig
 
+    hf_config = AutoConfig.from_pretrained(config.model_dir)
+    config.runner_config.check_model(hf_config, config.model_dir)
+    check_model_for_tensor_parallel(config, hf_config)
+
+
+def check_model_for_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
+    """Reject a model that cannot run on ``tensor_parallel_size`` ranks."""
+    if config.tensor_parallel_size == 1:
+        return
     from compile_runtime.distributed.sharding import (
         TensorParallelConfigError,
         check_tensor_parallel,
     )
     from compile_runtime.models.llama import ARCHITECTURES
 
-    hf_config = AutoConfig.from_pretrained(config.model_dir)
     if config.use_transformers or hf_config.model_type not in ARCHITECTURES:
         raise TensorParallelConfigError(
             f"tensor_parallel_size={config.tensor_parallel_size} needs a native model "
@@ -184,7 +237,9 @@ def check_model_for_tensor_parallel(config: EngineConfig) -> None:
 def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
     """Check the configuration, then start the executor (and through it every worker)."""
     cls = executor_class(backend, config.tensor_parallel_size)
-    check_model_for_tensor_parallel(config)
+    if cls.local_ranks:
+        check_device_available(config)
+    check_model(config)
     if not config.worker_env:
         config.worker_env = {
             k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)

@@ -74,6 +74,8 @@ class RayWorker:
 
 
 class RayExecutor(Executor):
+    local_ranks = False
+
     def __init__(self, config: EngineConfig):
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group

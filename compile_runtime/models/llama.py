@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -30,7 +29,12 @@ from compile_runtime.distributed import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from compile_runtime.models.loader import FusedShards, StackedParam, load_weights
+from compile_runtime.models.loader import (
+    FusedShards,
+    NativeUnsupported,
+    StackedParam,
+    load_weights,
+)
 
 
 @dataclass(frozen=True)
@@ -60,26 +64,59 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding from a precomputed cos/sin table indexed by position."""
+def _rope_frequencies(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
+    """``(inv_freq, attention_scaling)`` as transformers computes them for this config.
 
-    def __init__(self, head_size: int, max_positions: int, rope: dict | None, dtype: torch.dtype):
+    Every rope type but "default" comes from transformers' own initialisers
+    (``ROPE_INIT_FUNCTIONS``), so linear, llama3, yarn, dynamic, ... never
+    diverge from the reference implementation.
+    """
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if any(isinstance(v, dict) for v in rope.values()):
+        raise NativeUnsupported("per-layer-type rope_parameters")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+        exponents = torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
+        return 1.0 / (base**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise NativeUnsupported(
+            f"rope_type {rope_type!r} is not in transformers' ROPE_INIT_FUNCTIONS"
+        )
+    # transformers recomputes these frequencies inside the forward from the batch's longest
+    # sequence; "dynamic" only past max_position_embeddings, where the table ends, so below
+    # it the table is exact.
+    if rope_type == "longrope" or (rope_type != "dynamic" and "dynamic" in rope_type):
+        raise NativeUnsupported(
+            f"rope_type {rope_type!r} recomputes its frequencies from each batch's longest "
+            "sequence, which a fixed table cannot follow"
+        )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
+    if inv_freq.numel() != head_size // 2:
+        raise NativeUnsupported(
+            f"rope_type {rope_type!r} rotates {2 * inv_freq.numel()} of {head_size} head dims "
+            "(partial_rotary_factor); the native rotary rotates the whole head"
+        )
+    return inv_freq.float(), float(attention_scaling)
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding from a precomputed cos/sin table indexed by position.
+
+    One table serves every layer (a 128k-position table per layer would cost
+    gigabytes). Its rows are transformers' ``cos(position * inv_freq) *
+    attention_scaling`` for positions below ``max_position_embeddings``.
+    """
+
+    def __init__(self, config: PretrainedConfig, head_size: int):
         super().__init__()
-        rope = dict(rope or {})
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        base = float(rope.get("rope_theta", 10000.0))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float32) / head_size))
-        positions = torch.arange(max_positions, dtype=torch.float32)
-        if rope_type == "linear":
-            positions = positions / float(rope["factor"])
-        elif rope_type != "default":
-            raise NotImplementedError(
-                f"rope_type {rope_type!r} is not supported by the native models yet (default, "
-                "linear); run this model through the transformers adapter instead"
-            )
-        freqs = torch.outer(positions, inv_freq)
-        self.register_buffer("cos", freqs.cos().to(dtype), persistent=False)
-        self.register_buffer("sin", freqs.sin().to(dtype), persistent=False)
+        inv_freq, attention_scaling = _rope_frequencies(config, head_size)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))
+        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x``: [tokens, heads, head_size]."""
@@ -90,12 +127,60 @@ class RotaryEmbedding(nn.Module):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+def head_size_of(config: PretrainedConfig) -> int:
+    """``head_dim`` where the config sets it (Qwen3), else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def sliding_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each layer's sliding window, as transformers applies it.
+
+    Mistral windows every layer when ``sliding_window`` is set; Qwen2/3 only
+    the layers ``layer_types`` calls "sliding_attention" (and only with
+    ``use_sliding_window``).
+    """
+    window = getattr(config, "sliding_window", None)
+    if not getattr(config, "use_sliding_window", window is not None):
+        window = None
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or layer_types is None:
+        return [window] * config.num_hidden_layers
+    kinds = {"full_attention": None, "sliding_attention": window}
+    for kind in layer_types:
+        if kind not in kinds:
+            raise NativeUnsupported(f"layer type {kind!r} in config.layer_types")
+    return [kinds[kind] for kind in layer_types]
+
+
+def activation(config: PretrainedConfig) -> nn.Module:
+    """The MLP gate activation: transformers' own ``ACT2FN[config.hidden_act]``."""
+    from transformers.activations import ACT2FN
+
+    name = getattr(config, "hidden_act", "silu")
+    if name not in ACT2FN:
+        raise ValueError(
+            f"hidden_act {name!r} is not an activation transformers knows (ACT2FN: "
+            f"{sorted(ACT2FN)}); fix config.json"
+        )
+    act = ACT2FN[name]
+    if list(act.parameters()) or list(act.buffers()):
+        raise NativeUnsupported(f"hidden_act {name!r} has learned parameters")
+    return act
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, prefix: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        flags: ArchFlags,
+        prefix: str,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+    ):
         super().__init__()
         total_heads = config.num_attention_heads
         total_kv_heads = getattr(config, "num_key_value_heads", None) or total_heads
-        self.head_size = getattr(config, "head_dim", None) or config.hidden_size // total_heads
+        self.head_size = head_size_of(config)
         bias = (
             flags.qkv_bias
             if flags.qkv_bias is not None
@@ -117,22 +202,14 @@ class SelfAttention(nn.Module):
         if flags.qk_norm:
             self.q_norm = RMSNorm(self.head_size, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(
-            self.head_size,
-            config.max_position_embeddings,
-            getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None),
-            dtype=torch.float32,
-        )
-        window = getattr(config, "sliding_window", None)
-        if not getattr(config, "use_sliding_window", window is not None):
-            window = None
+        self.rotary = rotary
         self.attn = Attention(
             self.num_heads,
             self.head_size,
             scale=self.head_size**-0.5,
             num_kv_heads=self.num_kv_heads,
             prefix=f"{prefix}.attn",
-            sliding_window=window,
+            sliding_window=sliding_window,
         )
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -148,12 +225,9 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig):
+    def __init__(self, config: PretrainedConfig, act_fn: nn.Module):
         super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise NotImplementedError(
-                f"hidden_act {config.hidden_act!r}: only silu (SwiGLU) is supported"
-            )
+        self.act_fn = act_fn
         bias = getattr(config, "mlp_bias", False)
         self.gate_up_proj = MergedColumnParallelLinear(
             config.hidden_size, [config.intermediate_size] * 2, bias=bias, name="gate_up_proj"
@@ -165,16 +239,24 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split([self.intermediate, self.intermediate], dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_fn(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, prefix: str, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        flags: ArchFlags,
+        prefix: str,
+        rotary: RotaryEmbedding,
+        sliding_window: int | None,
+        act_fn: nn.Module,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = SelfAttention(config, flags, f"{prefix}.self_attn", dtype)
+        self.self_attn = SelfAttention(config, flags, f"{prefix}.self_attn", rotary, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, act_fn)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         x = x + self.self_attn(positions, self.input_layernorm(x))
@@ -185,11 +267,18 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """The compiled part: embeddings, every layer, the final norm."""
 
-    def __init__(self, config: PretrainedConfig, flags: ArchFlags, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        flags: ArchFlags,
+        rotary: RotaryEmbedding,
+        windows: list[int | None],
+        act_fn: nn.Module,
+    ):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, flags, f"model.layers.{i}", dtype)
+            DecoderLayer(config, flags, f"model.layers.{i}", rotary, windows[i], act_fn)
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -202,19 +291,26 @@ class DecoderModel(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """A Llama-family causal LM: ``forward`` gives hidden states, ``compute_logits`` the logits."""
+    """A Llama-family causal LM: ``forward`` gives hidden states, ``compute_logits`` the logits.
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32):
+    Raises ``NativeUnsupported`` for a config it cannot run exactly as
+    transformers does, before it allocates any layer.
+    """
+
+    def __init__(self, config: PretrainedConfig):
         super().__init__()
         model_type = config.model_type
         if model_type not in ARCHITECTURES:
-            raise NotImplementedError(
+            raise NativeUnsupported(
                 f"no native implementation for model_type {model_type!r} (have: "
-                f"{sorted(ARCHITECTURES)}); use the transformers adapter for other architectures"
+                f"{sorted(ARCHITECTURES)})"
             )
+        rotary = RotaryEmbedding(config, head_size_of(config))
+        windows = sliding_windows(config)
+        act_fn = activation(config)
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DecoderModel(config, ARCHITECTURES[model_type], dtype)
+        self.model = DecoderModel(config, ARCHITECTURES[model_type], rotary, windows, act_fn)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if self.tied:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from compile_runtime.ops.cpu_linear import repack_linear_weights
@@ -34,6 +34,14 @@ INDEX_FILE = "model.safetensors.index.json"
 
 class WeightLoadingError(ValueError):
     """A checkpoint does not match the model: a missing, unexpected or misshapen tensor."""
+
+
+class NativeUnsupported(NotImplementedError):
+    """A native model cannot run this config exactly as transformers does (the reason says why).
+
+    Raised by a native model's constructor before any weight is read, so that
+    ``load_model`` can run the checkpoint through the transformers adapter instead.
+    """
 
 
 @dataclass(frozen=True)
@@ -89,7 +97,14 @@ class CheckpointTensor:
 def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]:
     """Every tensor of the checkpoint, lazily: nothing is read until asked for."""
     for path in safetensors_files(model_dir):
-        with safe_open(path, framework="pt") as f:
+        try:
+            handle = safe_open(path, framework="pt")
+        except SafetensorError as e:
+            raise WeightLoadingError(
+                f"{path} is not a readable safetensors file ({e}); it may be truncated: "
+                "download or save it again"
+            ) from None
+        with handle as f:
             for name in f.keys():
                 yield name, CheckpointTensor(name, f)
 

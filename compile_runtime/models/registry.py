@@ -39,23 +39,44 @@ def load_model(
     """The model in ``model_dir`` with its weights, built under ``compilation_config``.
 
     Llama-family architectures use our native implementation; anything else
-    (or ``use_transformers=True``) goes through the transformers adapter. On a
-    CPU the linear weights are packed for oneDNN unless ``cpu_pack_weights`` is
-    False (it changes the traced graph, so everything that traces a model for
-    the cache key loads it here).
+    (or ``use_transformers=True``) goes through the transformers adapter, and
+    so does a Llama-family config the native model cannot run exactly (it
+    raises ``NativeUnsupported``; one warning says why). On a CPU the linear
+    weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
+    changes the traced graph, so everything that traces a model for the cache
+    key loads it here).
     """
     from transformers import AutoConfig
 
+    from compile_runtime.distributed.parallel_state import get_tp_world_size
     from compile_runtime.models.llama import ARCHITECTURES, CausalLM
+    from compile_runtime.models.loader import NativeUnsupported
 
     hf_config = AutoConfig.from_pretrained(model_dir)
     device = torch.device(device)
     native = hf_config.model_type in ARCHITECTURES and not use_transformers
     with set_compilation_config(compilation_config), default_dtype_and_device(dtype, device):
         if native:
-            model: nn.Module = CausalLM(hf_config, dtype)
-            model.load_weights(model_dir)
-        else:
+            try:
+                model: nn.Module = CausalLM(hf_config)
+            except NativeUnsupported as e:
+                if get_tp_world_size() > 1:
+                    raise NativeUnsupported(
+                        f"{model_dir}: the native {hf_config.model_type} model cannot run this "
+                        f"config ({e}), and the transformers adapter runs on one rank only; "
+                        "use tensor_parallel_size=1"
+                    ) from e
+                logger.warning(
+                    "%s: the native %s model cannot run this config (%s); running it through "
+                    "the transformers adapter instead",
+                    model_dir,
+                    hf_config.model_type,
+                    e,
+                )
+                native = False
+            else:
+                model.load_weights(model_dir)
+        if not native:
             from compile_runtime.models.transformers_adapter import TransformersCausalLM
 
             model = TransformersCausalLM(model_dir, hf_config, dtype)

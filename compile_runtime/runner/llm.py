@@ -6,6 +6,12 @@ sampler until every request is done. The scheduler never learns how many
 ranks there are: ``tensor_parallel_size=N`` with ``distributed_executor_backend``
 ``"mp"`` (worker processes on this machine) or ``"ray"`` (Ray actors) changes
 only who runs the model.
+
+A bad request is rejected before any prompt of its call is queued. A step
+that raises anyway aborts the call's requests (their blocks freed, the runner
+told to drop them at its next step) and the engine serves the next call; under
+tensor parallelism a failed step stops the workers instead (a rank may be
+stuck in a collective), and later calls say the executor is shut down.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from compile_runtime.config import CompilationConfig, parse_config
-from compile_runtime.executor import EngineConfig, Executor, make_executor
+from compile_runtime.executor import EngineConfig, Executor, ExecutorError, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
 from compile_runtime.runner.request import Request
@@ -29,6 +35,16 @@ from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+class StepFailedError(RuntimeError):
+    """A step raised: its requests and the rest of the call were aborted; the engine goes on."""
+
+    def __init__(self, message: str, failed_req_ids: list[str], aborted_req_ids: list[str]):
+        super().__init__(message)
+        self.failed_req_ids = failed_req_ids
+        self.aborted_req_ids = aborted_req_ids
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -95,28 +111,21 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             num_gpu_blocks_override=num_gpu_blocks_override,
             cpu_pack_weights=cpu_pack_weights,
-            # Chosen here, once, not by each worker: starting workers would count each other
-            # as busy cores.
-            num_threads=_cpu_threads(device, num_threads, tensor_parallel_size),
+            num_threads=num_threads,
         )
-        self.executor: Executor = make_executor(
-            EngineConfig(
-                model_dir=model_dir,
-                compilation_config=self.compilation_config,
-                runner_config=runner_config,
-                dtype=dtype,
-                device=device,
-                use_transformers=use_transformers,
-                tensor_parallel_size=tensor_parallel_size,
-            ),
-            distributed_executor_backend,
+        engine_config = EngineConfig(
+            model_dir=model_dir,
+            compilation_config=self.compilation_config,
+            runner_config=runner_config,
+            dtype=dtype,
+            device=device,
+            use_transformers=use_transformers,
+            tensor_parallel_size=tensor_parallel_size,
         )
-        self.scheduler = Scheduler(
-            num_blocks=self.executor.num_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-        )
+        # Chosen here, once (after the checks above), not by each worker: starting workers
+        # would count each other as busy cores.
+        runner_config.num_threads = _cpu_threads(device, num_threads, tensor_parallel_size)
+        self.executor: Executor = make_executor(engine_config, distributed_executor_backend)
         self.tokenizer = _load_tokenizer(model_dir)
         if hasattr(self.executor, "driver_runner"):
             hf_config = getattr(self.runner.model, "config", None)
@@ -124,6 +133,14 @@ class LLM:
             from transformers import AutoConfig
 
             hf_config = AutoConfig.from_pretrained(model_dir)
+        self.scheduler = Scheduler(
+            num_blocks=self.executor.num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            vocab_size=getattr(hf_config, "vocab_size", None),
+        )
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
@@ -180,24 +197,23 @@ class LLM:
         )
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
-        max_len = self.runner_config.max_model_len
-        requests = []
-        for tokens, p in zip(token_lists, params, strict=True):
-            if not tokens:
-                raise ValueError("a prompt has no tokens")
-            if len(tokens) + p.max_tokens > max_len:
-                raise ValueError(
-                    f"a prompt of {len(tokens)} tokens plus max_tokens={p.max_tokens} exceeds "
-                    f"max_model_len={max_len}"
-                )
-            req = Request(
+        requests = [
+            Request(
                 req_id=str(next(self._ids)),
                 prompt_token_ids=list(tokens),
                 sampling_params=p,
                 eos_token_id=self.eos_token_id,
             )
-            self.scheduler.add_request(req)
-            requests.append(req)
+            for tokens, p in zip(token_lists, params, strict=True)
+        ]
+        for i, req in enumerate(requests):  # all checked before any is queued
+            try:
+                self.scheduler.check_request(req)
+            except ValueError as e:
+                raise ValueError(
+                    f"prompt {i} of {len(requests)}: {e} (nothing of this call was queued)"
+                ) from None
+        self.scheduler.add_requests(requests)
 
         stats = GenerateStats()
         first_token: dict[str, float] = {}
@@ -205,26 +221,37 @@ class LLM:
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
         # The runner steps under torch.inference_mode (in whichever process it lives).
-        while self.scheduler.has_unfinished():
-            step_start = time.perf_counter()
-            so = self.scheduler.schedule()
-            self.executor.execute_model(so)
-            out = self.executor.sample_tokens()
-            now = time.perf_counter() - start
-            if so.num_scheduled_tokens and all(n == 1 for n in so.num_scheduled_tokens.values()):
-                stats.decode_step_seconds.append(time.perf_counter() - step_start)
-            for req_id, token, lp in zip(
-                out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
-            ):
-                if token is not None:
-                    stats.output_tokens += 1
-                    first_token.setdefault(req_id, now)
-                    if lp is not None and req_id in logprobs:
-                        logprobs[req_id].append(lp)
-            finished = self.scheduler.update_from_output(so, out)
-            bar.update(len(finished))
-            stats.steps += 1
-        bar.close()
+        so = None
+        try:
+            while self.scheduler.has_unfinished():
+                step_start = time.perf_counter()
+                so = None
+                so = self.scheduler.schedule()
+                self.executor.execute_model(so)
+                out = self.executor.sample_tokens()
+                now = time.perf_counter() - start
+                if so.num_scheduled_tokens and all(
+                    n == 1 for n in so.num_scheduled_tokens.values()
+                ):
+                    stats.decode_step_seconds.append(time.perf_counter() - step_start)
+                for req_id, token, lp in zip(
+                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
+                ):
+                    if token is not None:
+                        stats.output_tokens += 1
+                        first_token.setdefault(req_id, now)
+                        if lp is not None and req_id in logprobs:
+                            logprobs[req_id].append(lp)
+                finished = self.scheduler.update_from_output(so, out)
+                bar.update(len(finished))
+                stats.steps += 1
+        except BaseException as e:
+            error = self._abort_call(requests, so, stats.steps + 1, e)
+            if error is None:
+                raise
+            raise error from e
+        finally:
+            bar.close()
         stats.seconds = time.perf_counter() - start
         stats.first_token_seconds = [
             first_token[r.req_id] for r in requests if r.req_id in first_token
@@ -242,6 +269,34 @@ class LLM:
             )
             for r in requests
         ]
+
+    def _abort_call(
+        self, requests: list[Request], so, step: int, error: BaseException
+    ) -> StepFailedError | None:
+        """Abort every unfinished request of a failed call: blocks freed, and the runner
+        drops them (whatever state the failure left them in) at the next step. The error to raise instead of ``error``, or None to re-raise it:
+        the executor is gone, or the caller interrupted."""
+        failed = list(so.num_scheduled_tokens) if so is not None else []
+        aborted = [
+            r.req_id for r in self.scheduler.abort_requests(list(self.scheduler.requests), so)
+        ]
+        if not isinstance(error, Exception) or isinstance(error, ExecutorError):
+            logger.error("generate() aborted %d request(s): %s", len(aborted), error)
+            return None
+        index = {r.req_id: i for i, r in enumerate(requests)}
+        what = (
+            f"request(s) {', '.join(failed)} (prompt(s) "
+            f"{', '.join(str(index[r]) for r in failed if r in index)} of this call)"
+            if failed
+            else "scheduling"
+        )
+        return StepFailedError(
+            f"step {step} of generate() failed on {what}: {type(error).__name__}: {error}; "
+            f"aborted {len(aborted)} unfinished request(s) of this call and freed their KV "
+            "cache blocks; the engine is ready for the next generate()",
+            failed_req_ids=failed,
+            aborted_req_ids=aborted,
+        )
 
     def _tokenize(self, prompts) -> list[list[int]]:
         if isinstance(prompts, str):

@@ -18,9 +18,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compile_runtime.attention.kv_cache import (
     allocate_kv_cache,
@@ -32,6 +34,7 @@ from compile_runtime.backends.attention.registry import min_cg_support
 from compile_runtime.capture import CaptureInputs, CaptureReport, capture
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
 from compile_runtime.cudagraph import wrap_full_model
+from compile_runtime.decorator import attention_split
 from compile_runtime.dispatcher import CudagraphDispatcher
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
@@ -49,21 +52,88 @@ from compile_runtime.runner.workload import WorkloadRecorder
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RunnerConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    max_model_len: int = 512
-    block_size: int = 16
+class ConfigError(ValueError):
+    """A configuration value no engine can run with: one line per bad field, each with the fix."""
+
+
+class CheckedConfig(BaseModel):
+    """Base of the engine's configs: unknown fields are rejected and every validation error
+    becomes one ``ConfigError`` line, ``Class.field=value: what is wrong (what the field is)``,
+    both at construction and on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    @classmethod
+    def _one_line_per_field(cls, error: ValidationError) -> str:
+        lines = []
+        for err in error.errors():
+            name = ".".join(str(part) for part in err["loc"])
+            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            if err["type"] == "extra_forbidden":
+                lines.append(
+                    f"{cls.__name__}.{name}: unknown field; the fields are "
+                    f"{', '.join(cls.model_fields)}"
+                )
+                continue
+            message = err["msg"].removeprefix("Value error, ")
+            hint = f" ({field.description})" if field is not None and field.description else ""
+            lines.append(f"{cls.__name__}.{name}={err['input']!r}: {message}{hint}")
+        return "\n".join(lines)
+
+
+class RunnerConfig(CheckedConfig):
+    """Sizes of the runner's batch and KV cache (the same on every rank)."""
+
+    max_num_seqs: int = Field(16, ge=1, description="requests in one step, e.g. 16")
+    max_num_batched_tokens: int = Field(
+        256, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 256"
+    )
+    max_model_len: int = Field(
+        512,
+        ge=1,
+        description="prompt + output tokens of one request; at most the model's "
+        "max_position_embeddings",
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block, e.g. 16")
     # CPU: the KV cache's byte budget. CUDA: fraction of device memory to use.
-    kv_cache_bytes: int = 64 * 2**20
-    gpu_memory_utilization: float = 0.85
-    num_gpu_blocks_override: int | None = None
+    kv_cache_bytes: int = Field(
+        64 * 2**20, ge=1, description="bytes of KV cache on a CPU, e.g. 64 MiB = 67108864"
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=1.0, description="fraction of GPU memory this engine may use, e.g. 0.85"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=2, description="KV cache blocks, block 0 reserved; None sizes the cache"
+    )
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
     # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True
     # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
-    num_threads: int | None = None
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU threads of each rank; None uses the free cores"
+    )
+
+    def check_model(self, hf_config: Any, model_dir: str) -> None:
+        """Reject a max_model_len past the positions the model has (its rotary table ends there)."""
+        max_positions = getattr(hf_config, "max_position_embeddings", None)
+        if max_positions is not None and self.max_model_len > max_positions:
+            raise ConfigError(
+                f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "
+                f"max_model_len to at most {max_positions}"
+            )
 
 
 @dataclass
@@ -152,6 +222,15 @@ class ModelRunner:
         with torch.inference_mode():
             self._dummy_forward(self.max_num_tokens)
         self.compile_seconds = time.perf_counter() - start
+        if self.resolved.cudagraph_mode.has_piecewise_cudagraphs() and not attention_split(
+            self.model
+        ):  # the split took no attention out (or nothing was compiled): no piecewise graphs
+            self.resolved = self.compilation_config.resolve(
+                min_cg_support({layer.attn_backend for layer in self.layers}),
+                attention_split=False,
+                cuda_available=self.device.type == "cuda",
+            )
+            self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
         self.num_blocks = self._num_kv_blocks()
         caches = allocate_kv_cache(
             self.layers,

@@ -13,10 +13,15 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     FINISHED_LENGTH = "finished_length"  # reached max_tokens
     FINISHED_STOPPED = "finished_stopped"  # sampled EOS or a stop token
+    FINISHED_ABORTED = "finished_aborted"  # its step failed; see Scheduler.abort_requests
 
     @property
     def is_finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_STOPPED)
+        return self in (
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_ABORTED,
+        )
 
 
 @dataclass
@@ -48,8 +53,9 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """'length' (max_tokens reached), 'stop' (EOS or stop token), or None."""
+        """'length' (max_tokens reached), 'stop' (EOS or stop token), 'abort', or None."""
         return {
             RequestStatus.FINISHED_LENGTH: "length",
             RequestStatus.FINISHED_STOPPED: "stop",
+            RequestStatus.FINISHED_ABORTED: "abort",
         }.get(self.status)

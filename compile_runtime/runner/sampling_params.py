@@ -21,7 +21,8 @@ class SamplingParams(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] = Field(default_factory=dict)
-    seed: int | None = None
+    # The range torch.Generator.manual_seed takes.
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     logprobs: int | None = Field(default=None, ge=0)  # top-k logprobs to return
 
     @model_validator(mode="after")

@@ -14,6 +14,12 @@ again its prompt and the tokens it had generated are recomputed as one
 prompt. Older requests therefore always make progress, and a request that
 fits in the cache on its own always finishes.
 
+Admission is all or nothing: ``add_requests`` checks every request (prompt
+ids inside the vocabulary, length within max_model_len and the cache, logit
+bias ids) before it queues any, so a bad request never reaches a step. When
+a step fails anyway, ``abort_requests`` frees the requests' blocks and tells
+the runner to drop them at the next step, before it takes any new request.
+
 Protocol per step: ``out = schedule()``, the runner executes ``out``, then
 ``update_from_output(out, runner_output)``. The runner must drop the state
 of ``out.finished_req_ids`` before adding ``out.scheduled_new_reqs``: a
@@ -51,13 +57,18 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int | None = None,
+        max_model_len: int | None = None,
+        vocab_size: int | None = None,
     ) -> None:
+        """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits."""
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+            ("vocab_size", vocab_size),
         ):
-            if value < 1:
+            if value is not None and value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}")
         if long_prefill_token_threshold is not None:
             if long_prefill_token_threshold < 1:
@@ -76,6 +87,8 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -88,17 +101,60 @@ class Scheduler:
     # ------------------------------------------------------------------ intake
 
     def add_request(self, request: Request) -> None:
-        if request.req_id in self.requests:
-            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
-        if not request.prompt_token_ids:
-            raise ValueError(f"request {request.req_id!r} has an empty prompt")
+        self.add_requests([request])
+
+    def add_requests(self, requests: list[Request]) -> None:
+        """Queue ``requests`` in order, or none of them: every one is checked first."""
+        ids = [r.req_id for r in requests]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"request ids {ids} repeat; give every request its own id")
+        for request in requests:
+            self.check_request(request)
+        for request in requests:
+            request.arrival_index = self._next_arrival
+            self._next_arrival += 1
+            request.status = RequestStatus.WAITING
+            self.requests[request.req_id] = request
+            self.waiting.append(request)
+
+    def check_request(self, request: Request) -> None:
+        """Raise ValueError, naming the request and the fix, for what a step could not run."""
+        rid = request.req_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in the scheduler")
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token")
+        if self.vocab_size is not None:
+            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise ValueError(
+                    f"request {rid!r}: prompt token id {bad} (position {prompt.index(bad)}) is "
+                    f"outside the vocabulary [0, {self.vocab_size}); pass ids the model's "
+                    "tokenizer produces"
+                )
+            bad = next(
+                (t for t in request.sampling_params.logit_bias if not 0 <= t < self.vocab_size),
+                None,
+            )
+            if bad is not None:
+                raise ValueError(
+                    f"request {rid!r}: logit_bias token id {bad} is outside the vocabulary "
+                    f"[0, {self.vocab_size}); remove it from SamplingParams.logit_bias"
+                )
         max_tokens = request.sampling_params.max_tokens
-        total = len(request.prompt_token_ids) + max_tokens
+        total = len(prompt) + max_tokens
+        if self.max_model_len is not None and total > self.max_model_len:
+            raise ValueError(
+                f"request {rid!r}: a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} "
+                f"exceeds max_model_len={self.max_model_len}; shorten the prompt, lower "
+                "max_tokens or start the engine with a larger max_model_len"
+            )
         blocks_needed = _cdiv(total, self.block_size)
         if blocks_needed > self.block_pool.num_usable:
             raise ValueError(
-                f"request {request.req_id!r} can never fit in the KV cache: prompt "
-                f"{len(request.prompt_token_ids)} + max_tokens {max_tokens} = {total} tokens "
+                f"request {rid!r} can never fit in the KV cache: prompt "
+                f"{len(prompt)} + max_tokens {max_tokens} = {total} tokens "
                 f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
                 f"{self.block_pool.num_usable} usable blocks (num_blocks="
                 f"{self.block_pool.num_blocks}, block 0 reserved); lower max_tokens, shorten "
@@ -107,16 +163,38 @@ class Scheduler:
         if not self.enable_chunked_prefill and total > self.max_num_batched_tokens:
             # After a preemption, prompt + outputs must be prefilled in one step.
             raise ValueError(
-                f"request {request.req_id!r}: prompt {len(request.prompt_token_ids)} + "
+                f"request {rid!r}: prompt {len(prompt)} + "
                 f"max_tokens {max_tokens} = {total} tokens exceeds max_num_batched_tokens="
                 f"{self.max_num_batched_tokens} with chunked prefill disabled; enable "
                 f"chunked prefill or raise max_num_batched_tokens"
             )
-        request.arrival_index = self._next_arrival
-        self._next_arrival += 1
-        request.status = RequestStatus.WAITING
-        self.requests[request.req_id] = request
-        self.waiting.append(request)
+
+    def abort_requests(
+        self, req_ids: list[str], failed_step: SchedulerOutput | None = None
+    ) -> list[Request]:
+        """Drop unfinished requests (their step failed): free their blocks, forget them.
+
+        The next step's ``finished_req_ids`` tell the runner to drop them, whatever
+        state the failure left them in, and repeat what ``failed_step`` told it to
+        drop (the runner may never have received it). Unknown ids are ignored.
+        """
+        if failed_step is not None:
+            self._finished_req_ids |= failed_step.finished_req_ids
+        aborted = []
+        for req_id in req_ids:
+            req = self.requests.pop(req_id, None)
+            if req is None:
+                continue
+            if req.status is RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            self.block_pool.free(req.block_ids)
+            req.block_ids = []
+            req.status = RequestStatus.FINISHED_ABORTED
+            self._finished_req_ids.add(req_id)
+            aborted.append(req)
+        return aborted
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
