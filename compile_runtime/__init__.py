@@ -13,13 +13,19 @@ from compile_runtime.config import (
     set_compilation_config,
 )
 from compile_runtime.counter import compilation_counter
-from compile_runtime.decorator import GraphBreakError, compile, ignore_compile
+from compile_runtime.decorator import (
+    GraphBreakError,
+    TracedArgumentError,
+    compile,
+    ignore_compile,
+)
 from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.forward_context import (
     ForwardContextError,
     get_forward_context,
     set_forward_context,
 )
+from compile_runtime.split import SplittingOpError
 
 __version__ = "0.1.0"
 
@@ -28,6 +34,7 @@ _LAZY = {
     "LLM": "compile_runtime.runner.llm",
     "RequestOutput": "compile_runtime.runner.llm",
     "SamplingParams": "compile_runtime.runner.sampling_params",
+    "StepFailedError": "compile_runtime.runner.llm",
 }
 
 
@@ -50,6 +57,8 @@ __all__ = [
     "CudagraphDispatcher",
     "ForwardContextError",
     "GraphBreakError",
+    "TracedArgumentError",
+    "SplittingOpError",
     "get_forward_context",
     "set_forward_context",
     "compilation_counter",
@@ -60,5 +69,6 @@ __all__ = [
     "LLM",
     "RequestOutput",
     "SamplingParams",
+    "StepFailedError",
     "__version__",
 ]

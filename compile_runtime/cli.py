@@ -164,8 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--verbose",
         action="count",
         default=0,
-        help="-v: show INFO logs (what was compiled, loaded, captured); -vv: DEBUG, and the "
-        "traceback of an error",
+        help="-v: show INFO logs (what was compiled, loaded, captured); -vv: also our DEBUG "
+        "logs, and the traceback of an error",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -226,9 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     # Warnings (a downgraded cudagraph_mode, a quarantined cache entry) must reach the user.
     logging.basicConfig(
-        level={0: logging.WARNING, 1: logging.INFO}.get(args.verbose, logging.DEBUG),
+        level=logging.INFO if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    if args.verbose > 1:  # our debug lines, not every library's
+        logging.getLogger("compile_runtime").setLevel(logging.DEBUG)
     try:
         if hasattr(args, "prepare"):
             args.prepare(args)

@@ -361,7 +361,11 @@ def resolve_cudagraph_mode(
     if requested == CUDAGraphMode.NONE:
         return requested
     if not cuda_available:
-        logger.warning("CUDA is not available: cudagraph_mode %s -> NONE", requested.name)
+        logger.log(
+            logging.WARNING if explicit else logging.INFO,
+            "CUDA is not available: cudagraph_mode %s -> NONE",
+            requested.name,
+        )
         return CUDAGraphMode.NONE
 
     mode = requested

@@ -37,6 +37,7 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from compile_runtime.backend import CompilerBackend
+from compile_runtime.cache.location import CacheError
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
 from compile_runtime.counter import compilation_counter
 from compile_runtime.split import SplittingOpError
@@ -233,7 +234,7 @@ class CompiledForward:
                 "CompilationMode.NONE / STOCK_TORCH_COMPILE."
             ) from None
         except torch._dynamo.exc.BackendCompilerFailed as e:
-            if isinstance(e.inner_exception, SplittingOpError):  # a config error: say only that
+            if isinstance(e.inner_exception, (SplittingOpError, CacheError)):  # say only that
                 raise e.inner_exception from None
             raise
         finally:

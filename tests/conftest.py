@@ -1,16 +1,21 @@
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 from compile_runtime.tiny_models import make_model_dir
 
+# The default CPU thread count follows how busy the machine is and is part of the
+# cache key; pin it (for this process and the CLI subprocesses tests start) so two
+# starts in one test see the same key however loaded the machine is.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
 
 @pytest.fixture(scope="session", autouse=True)
 def session_cache_dir(tmp_path_factory):
     """One compile cache per test session: tests share compiled pieces, never touch ~/.cache."""
-    import os
-
     path = str(tmp_path_factory.mktemp("compile_cache"))
     previous = os.environ.get("COMPILE_RUNTIME_CACHE_DIR")
     os.environ["COMPILE_RUNTIME_CACHE_DIR"] = path

@@ -16,13 +16,13 @@ from unittest import mock
 
 import pytest
 import torch
+from compile_runtime.backends.compiler import CompiledPiece, EagerAdaptor
 from pydantic import ValidationError
 from torch import nn
 from toy_models import SumAttention
 
 import compile_runtime as cr
 import compile_runtime.backend
-from compile_runtime.backends.compiler import CompiledPiece, EagerAdaptor
 from compile_runtime.cache import manage
 from compile_runtime.cache.key import compute_key
 from compile_runtime.cli import format_error, main
@@ -75,7 +75,9 @@ class SavedEagerAdaptor(EagerAdaptor):
     can_save = True
 
     def compile(self, graph, example_inputs, runtime_shape):
-        return CompiledPiece(fn=super().compile(graph, example_inputs, runtime_shape).fn, handle=graph)
+        return CompiledPiece(
+            fn=super().compile(graph, example_inputs, runtime_shape).fn, handle=graph
+        )
 
     def save(self, piece, path):
         with open(path, "wb") as f:
@@ -238,9 +240,7 @@ def test_damaged_entry_file_recompiles_at_start(kind, warm, tmp_path, caplog):
 
 
 @pytest.mark.parametrize("kind", [k for k, v in KINDS.items() if v[2]])
-def test_cache_commands_report_damage_in_one_line_and_fix_moves_it_aside(
-    kind, warm, tmp_path, cli
-):
+def test_cache_commands_report_damage_in_one_line_and_fix_moves_it_aside(kind, warm, tmp_path, cli):
     _, _, problem, moves = KINDS[kind]
     root = tmp_path / "cache"
     shutil.copytree(warm[0], root)

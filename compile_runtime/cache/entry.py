@@ -357,7 +357,7 @@ class CacheEntry:
                 logger.warning(
                     "compile cache %s: %s; writing it again from this start's factors",
                     self.key_dir,
-                    e,
+                    str(e),  # not the exception: its traceback would keep the model alive
                 )
         write_json(path, self.factors)
 
