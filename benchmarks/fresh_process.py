@@ -1,4 +1,4 @@
-"""Run a benchmark's child step in a new process with an empty Inductor cache (a cold start)."""
+"""Run a benchmark's child step in a new process with empty compile caches (a cold start)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,13 @@ import tempfile
 
 
 def run_child(script: str, *args: str) -> dict:
-    """``python script --child ARGS`` with a fresh TORCHINDUCTOR_CACHE_DIR; its last stdout line as JSON."""
-    with tempfile.TemporaryDirectory() as inductor_cache:
-        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache)
+    """``python script --child ARGS`` with a fresh Inductor cache and a fresh default compile
+    cache (a child that wants ours warm passes its own ``cache_dir``); its last stdout line
+    as JSON."""
+    with tempfile.TemporaryDirectory() as inductor_cache, tempfile.TemporaryDirectory() as ours:
+        env = dict(
+            os.environ, TORCHINDUCTOR_CACHE_DIR=inductor_cache, COMPILE_RUNTIME_CACHE_DIR=ours
+        )
         proc = subprocess.run(
             [sys.executable, script, "--child", *args], capture_output=True, text=True, env=env
         )
