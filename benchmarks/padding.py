@@ -270,7 +270,7 @@ class LatencyBench:
         import compile_runtime as cr
         from compile_runtime.models.llama import CausalLM
         from compile_runtime.models.registry import default_dtype_and_device
-        from compile_runtime.tiny_models import tiny_config
+        from compile_runtime.testing.model_dirs import tiny_config
 
         self.args = args
         self.device = torch.device(args.device)
@@ -300,8 +300,8 @@ class LatencyBench:
         import torch
 
         import compile_runtime as cr
-        from compile_runtime.capture import CaptureInputs, capture
-        from compile_runtime.dispatcher import CudagraphDispatcher
+        from compile_runtime.cudagraph.capture import CaptureInputs, capture
+        from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 
         config = self.config.model_copy(update={"cudagraph_capture_sizes": sizes})
         dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)

@@ -118,7 +118,7 @@ def build_variant(variant: str, args: argparse.Namespace):
     import compile_runtime as cr
     from compile_runtime.models.llama import CausalLM
     from compile_runtime.models.registry import default_dtype_and_device
-    from compile_runtime.tiny_models import tiny_config
+    from compile_runtime.testing.model_dirs import tiny_config
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

@@ -25,7 +25,7 @@ def child(cache_dir: str, num_layers: int) -> dict:
     import torch
 
     import compile_runtime as cr
-    from compile_runtime.testing import build_transformer
+    from compile_runtime.testing.transformer import build_transformer
 
     config = cr.CompilationConfig(backend="inductor", cache_dir=cache_dir)
     model = build_transformer(

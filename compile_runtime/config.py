@@ -300,7 +300,7 @@ class CompilationConfig(BaseModel):
 
         ``attention_split``: whether the traced graph really has splitting-op
         pieces; once the model is traced pass what its split produced
-        (``compile_runtime.decorator.attention_split(model)``), since a
+        (``compile_runtime.compiler.decorator.attention_split(model)``), since a
         ``splitting_ops`` entry can match nothing. None guesses from
         ``splitting_ops`` alone.
         """

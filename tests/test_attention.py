@@ -38,7 +38,7 @@ from compile_runtime.attention import (
     bind_kv_cache,
     compute_slot_mapping,
 )
-from compile_runtime.attention.testing import PagedBatch, make_paged_batch
+from compile_runtime.testing.attention import PagedBatch, make_paged_batch
 
 AttentionCGSupport = cr.AttentionCGSupport
 

@@ -15,7 +15,7 @@ from compile_runtime.attention import (
     bind_kv_cache,
     compute_slot_mapping,
 )
-from compile_runtime.attention.testing import make_paged_batch
+from compile_runtime.testing.attention import make_paged_batch
 
 pytestmark = pytest.mark.cuda
 

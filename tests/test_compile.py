@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from toy_models import ToyModel, build
 
 import compile_runtime as cr
-from compile_runtime.piecewise import PiecewiseRuntime
+from compile_runtime.compiler.piecewise import PiecewiseRuntime
+from compile_runtime.testing.toy import ToyModel, build
 
 counter = cr.compilation_counter
 EAGER = cr.CompilationConfig(backend="eager")
@@ -184,7 +184,7 @@ def test_dynamic_arg_dims_and_optional_tensors():
             out = input_ids.float() + positions
             return out if bias is None else out + bias
 
-    from compile_runtime.decorator import infer_dynamic_arg_dims
+    from compile_runtime.compiler.decorator import infer_dynamic_arg_dims
 
     class Annotated(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor | None = None, c: int = 0): ...

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.testing import build_transformer
+from compile_runtime.testing.toy import build
+from compile_runtime.testing.transformer import build_transformer
 
 counter = cr.compilation_counter
 # No compile cache: a hit left by an earlier test would stand in for the compiles counted here.

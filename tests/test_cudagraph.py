@@ -8,11 +8,10 @@ import weakref
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.capture import CaptureInputs, capture
-from compile_runtime.cudagraph import (
+from compile_runtime.cudagraph.capture import CaptureInputs, capture
+from compile_runtime.cudagraph.wrapper import (
     CUDAGraphAddressError,
     CUDAGraphCaptureError,
     CUDAGraphWrapper,
@@ -23,6 +22,7 @@ from compile_runtime.cudagraph import (
     weak_ref_tensor,
     wrap_full_model,
 )
+from compile_runtime.testing.toy import build
 
 M = cr.CUDAGraphMode
 BD = cr.BatchDescriptor

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.capture import capture
-from compile_runtime.cudagraph import CUDAGraphAddressError, CUDAGraphWrapper, wrap_full_model
+from compile_runtime.cudagraph.capture import capture
+from compile_runtime.cudagraph.wrapper import (
+    CUDAGraphAddressError,
+    CUDAGraphWrapper,
+    wrap_full_model,
+)
+from compile_runtime.testing.toy import build
 
 pytestmark = pytest.mark.cuda
 

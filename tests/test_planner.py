@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 import compile_runtime as cr
 from compile_runtime.cli import main
 from compile_runtime.config import default_capture_sizes
-from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.planner import (
     WorkloadError,
     default_ladder_with_k,

@@ -12,10 +12,10 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._pytree import tree_leaves
 
 import compile_runtime as cr
-import compile_runtime.backend as backend_module
+import compile_runtime.compiler.graph_compiler as backend_module
 from compile_runtime.cli import main
-from compile_runtime.cudagraph import use_graph_factory
-from compile_runtime.testing import build_transformer
+from compile_runtime.cudagraph.wrapper import use_graph_factory
+from compile_runtime.testing.transformer import build_transformer
 from compile_runtime.verify import (
     VerifyError,
     check_model_dir,

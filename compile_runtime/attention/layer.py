@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from compile_runtime.attention.dense import dense_causal_attention
+from compile_runtime.attention.op import register_attention_layer
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.attention_op import register_attention_layer
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
 
 

@@ -175,8 +175,8 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     """Trace the model once under the config (compiling nothing) to get its key factors."""
     import torch
 
-    from compile_runtime.backend import key_only_tracing
     from compile_runtime.cache.key import compute_key
+    from compile_runtime.compiler.graph_compiler import key_only_tracing
     from compile_runtime.config import parse_config
     from compile_runtime.models.registry import load_model
 

@@ -117,7 +117,7 @@ class WorkerInfo:
 
 
 def counter_snapshot() -> dict[str, int]:
-    from compile_runtime.counter import compilation_counter
+    from compile_runtime.compiler.counters import compilation_counter
 
     return dataclasses.asdict(compilation_counter)
 

@@ -31,11 +31,11 @@ from compile_runtime.attention.kv_cache import (
 )
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.backends.attention.registry import min_cg_support
-from compile_runtime.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
-from compile_runtime.cudagraph import wrap_full_model
-from compile_runtime.decorator import attention_split
-from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.wrapper import wrap_full_model
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.registry import load_model

@@ -20,23 +20,23 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from compile_runtime.attention_op import default_splitting_ops
+from compile_runtime.attention.op import default_splitting_ops
 from compile_runtime.backends.compiler import make_adaptor
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import key_factors, source_digests
 from compile_runtime.cache.location import cache_root
-from compile_runtime.config import CompilationConfig, CompilationMode
-from compile_runtime.counter import compilation_counter
-from compile_runtime.cudagraph import wrap_piece
-from compile_runtime.graph_hash import piece_hash
-from compile_runtime.passes.manager import PassManager
-from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
-from compile_runtime.split import (
+from compile_runtime.compiler.counters import compilation_counter
+from compile_runtime.compiler.graph_hash import piece_hash
+from compile_runtime.compiler.piecewise import PiecewiseRuntime, find_size_locator
+from compile_runtime.compiler.split import (
     Piece,
     check_splitting_ops,
     direct_splitting_piece,
     split_graph,
 )
+from compile_runtime.config import CompilationConfig, CompilationMode
+from compile_runtime.cudagraph.wrapper import wrap_piece
+from compile_runtime.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class CompilerBackend:
                 "%s: splitting_ops %s match no op in the graph, so it is one piece with any "
                 "attention inside and gets no piecewise CUDA graphs (the model runner resolves "
                 "cudagraph_mode without them; elsewhere pass attention_split="
-                "compile_runtime.decorator.attention_split(model) to CompilationConfig.resolve)",
+                "compile_runtime.compiler.decorator.attention_split(model) to CompilationConfig.resolve)",
                 self.model_tag,
                 self.splitting_ops,
             )

@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 import torch
 import torch.fx.experimental._config as fx_config
 
-from compile_runtime.backend import CompilerBackend
 from compile_runtime.cache.location import CacheError
+from compile_runtime.compiler.counters import compilation_counter
+from compile_runtime.compiler.graph_compiler import CompilerBackend
+from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
-from compile_runtime.counter import compilation_counter
-from compile_runtime.split import SplittingOpError
 
 logger = logging.getLogger(__name__)
 
