@@ -54,8 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compile_runtime.config import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes  # noqa: E402
 from compile_runtime.planner.sizes import (  # noqa: E402
+    DEFAULT_MAX_CAPTURE_SIZE,
+    default_capture_sizes,
     default_ladder_with_k,
     default_num_graphs,
     ladder_cost,
@@ -381,12 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"# {name}: {summaries[name]}", file=sys.stderr)
         if args.save_workloads:
-            from compile_runtime.runner.workload import WorkloadRecorder
-
-            rec = WorkloadRecorder()
-            rec.mixed, rec.decode = fit.mixed, fit.decode
             Path(args.save_workloads).mkdir(parents=True, exist_ok=True)
-            rec.save(str(Path(args.save_workloads) / f"{name}.json"))
+            fit.save(str(Path(args.save_workloads) / f"{name}.json"))
         workload_rows = padding_rows(name, fit, heldout)
         if args.latency:
             bench = bench or LatencyBench(args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from compile_runtime.attention import Attention
+from compile_runtime.attention.layer import Attention
 from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.compiler.decorator import (
     GraphBreakError,
@@ -26,8 +26,7 @@ from compile_runtime.forward_context import (
     get_forward_context,
     set_forward_context,
 )
-
-__version__ = "0.1.0"
+from compile_runtime.version import __version__
 
 # Generation pulls in transformers and the model code: imported on first use.
 _LAZY = {

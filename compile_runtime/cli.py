@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.runner.model_runner import ModelRunnerError
+from compile_runtime.version import __version__
 
 # ValueError covers pydantic's ValidationError, JSON errors and most of our own
 # error classes (CacheError, WeightLoadingError, CudagraphModeError, ...);
@@ -155,8 +156,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compile_runtime import __version__
-
     parser = _Parser(prog="compile-runtime", description=__doc__)
     parser.add_argument("--version", action="version", version=f"compile-runtime {__version__}")
     parser.add_argument(

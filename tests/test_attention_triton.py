@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from test_attention import batch_shapes, dense_reference, run_backend, spec_of
 from triton_interpreter import run_interpreted
 
-from compile_runtime.attention import AttentionSpec
+from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.testing.attention import make_paged_batch
 
 needs_interpreter = pytest.mark.skipif(

@@ -36,12 +36,13 @@ from compile_runtime.cli import format_error, main
 from compile_runtime.config import (
     AttentionCGSupport,
     CompilationMode,
+    ConfigError,
     CUDAGraphMode,
+    EngineConfig,
+    RunnerConfig,
     resolve_cudagraph_mode,
 )
-from compile_runtime.executor import EngineConfig
 from compile_runtime.runner.llm import LLM, StepFailedError
-from compile_runtime.runner.model_runner import ConfigError, RunnerConfig
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.testing.toy import SumAttention
 

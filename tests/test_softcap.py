@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.attention import Attention
+from compile_runtime.attention.layer import Attention
 from compile_runtime.models.registry import load_model
 from compile_runtime.models.transformers_adapter import _attention
 from compile_runtime.runner.llm import LLM

@@ -157,7 +157,8 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
 @pytest.mark.cuda
 def test_runner_resolves_cudagraph_mode_from_the_split(model_dirs):
     """Before the trace the runner can only guess a split; after it, the split decides."""
-    from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
+    from compile_runtime.config import RunnerConfig
+    from compile_runtime.runner.model_runner import ModelRunner
 
     config = cr.CompilationConfig(
         backend="eager", splitting_ops=["aten::mm"], cudagraph_mode="PIECEWISE"

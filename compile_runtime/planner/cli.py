@@ -12,7 +12,7 @@ import argparse
 import json
 from typing import Any
 
-from compile_runtime.config import DEFAULT_MAX_CAPTURE_SIZE
+from compile_runtime.planner.sizes import DEFAULT_MAX_CAPTURE_SIZE
 from compile_runtime.table import format_table
 
 
