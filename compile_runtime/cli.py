@@ -216,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     register_cache(sub)
     from compile_runtime.planner.cli import register as register_planner
 
-    register_planner(sub)  # plan-sizes, check
+    register_planner(sub)  # plan-sizes
+    from compile_runtime.verify.cli import register as register_check
+
+    register_check(sub)
     return parser
 
 

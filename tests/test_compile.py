@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import compile_runtime as cr
+from compile_runtime.compiler.decorator import compiled_model
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
 from compile_runtime.testing.toy import ToyModel, build
 
@@ -61,7 +62,7 @@ def test_first_call_at_size_one_is_not_specialised():
 def test_piece_dispatch_uses_exact_size_callable():
     model = build(EAGER.model_copy(update={"compile_sizes": [4]}))
     model(ids(5))
-    runtimes = model._compile_runtime.backend.runtimes
+    runtimes = compiled_model(model).runtimes
     assert len(runtimes) == 4 and all(isinstance(r, PiecewiseRuntime) for r in runtimes)
     first = runtimes[0]
     assert first.callable_for(4) is first.exact[4] and first.callable_for(5) is first.general

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import compile_runtime as cr
+from compile_runtime.compiler.decorator import compiled_model
 from compile_runtime.testing.toy import build
 from compile_runtime.testing.transformer import build_transformer
 
@@ -67,4 +68,4 @@ def test_tiny_transformer_inductor_matches_eager():
             torch.testing.assert_close(
                 model(input_ids, positions), ref(input_ids, positions), rtol=1e-4, atol=1e-4
             )
-    assert model._compile_runtime.backend.result.unique_pieces == 3
+    assert compiled_model(model).result.unique_pieces == 3

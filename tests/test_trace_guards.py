@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.compiler.decorator import TracedArgumentError, attention_split
+from compile_runtime.compiler.decorator import TracedArgumentError, attention_split, compiled_model
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, use_graph_factory
@@ -132,7 +132,7 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
     wrapped = [
         v
         for m in (model, split)
-        for v in m._compile_runtime.backend.split_gm.__dict__.values()
+        for v in compiled_model(m).split_gm.__dict__.values()
         if isinstance(v, CUDAGraphWrapper)
     ]
     assert len(wrapped) == 4  # the split model's 4 static pieces, none of the unsplit one

@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-from compile_runtime.cache import manage
+from compile_runtime.cache import archive, manage
 from compile_runtime.cache.location import cache_root, check_root
 from compile_runtime.table import format_table
 
@@ -233,13 +233,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    key = manage.export(args.root, args.key, args.output)
+    key = archive.export(args.root, args.key, args.output)
     _emit(args, {"key": key, "file": args.output}, f"exported {key} to {args.output}")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    key = manage.import_archive(args.root, args.file)
+    key = archive.import_archive(args.root, args.file)
     _emit(args, {"key": key}, f"imported {key} into {args.root}")
     return 0
 

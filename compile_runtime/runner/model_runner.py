@@ -37,6 +37,7 @@ from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import wrap_full_model
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
+from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.cpu_threads import resolve_num_threads
@@ -85,7 +86,7 @@ class ModelRunner:
             self.num_threads = resolve_num_threads(self.config.num_threads, self.tp_size)
             torch.set_num_threads(self.num_threads)
         start = time.perf_counter()
-        self.model = load_model(
+        self.model: CausalLanguageModel = load_model(
             model_dir,
             compilation_config,
             dtype=dtype,
@@ -119,7 +120,7 @@ class ModelRunner:
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
         self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
-        self.forward_model = self.model.model if hasattr(self.model, "model") else self.model
+        self.forward_model = self.model.model
         if self.resolved.cudagraph_mode.has_full_cudagraphs():
             self.forward_model = wrap_full_model(self.forward_model, compilation_config)
         self.sampler = Sampler()

@@ -28,17 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
 import re
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten, tree_map_only
+from torch.utils._pytree import tree_map_only
 
+from compile_runtime.compiler.decorator import compiled_model, find_compiled_module, is_traced
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, runtime_size
 from compile_runtime.compiler.split import Piece, is_splitting_node
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
@@ -49,237 +47,29 @@ from compile_runtime.cudagraph.wrapper import (
     graphs_available,
 )
 from compile_runtime.forward_context import is_forward_context_available, set_forward_context
-from compile_runtime.table import format_table
+from compile_runtime.verify.compare import (
+    VerifyError,
+    compare,
+    tolerance_for,
+    uninitialized_outputs,
+)
+from compile_runtime.verify.report import PieceCheck, VerifyReport
 
 logger = logging.getLogger(__name__)
-
-# (atol, rtol) per dtype: a piece passes when max|compiled - eager| <= atol + rtol * max|eager|.
-# Compiled code reorders reductions and keeps fused intermediates in float32, so a
-# piece of many ops differs from eager by a few units in the last place of its
-# dtype (the Llama test model, Inductor on CPU: float32 ~1e-7, float16 ~1e-3,
-# bfloat16 ~1e-2 relative to max|eager|); a wrong piece is off by O(1).
-DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-9, 1e-9),
-    torch.float32: (1e-4, 1e-4),
-    torch.float16: (1e-3, 1e-2),
-    torch.bfloat16: (1e-2, 3e-2),
-}
-
-
-class VerifyError(ValueError):
-    """The model cannot be verified (not compiled piecewise, no split graph, ...)."""
-
-
-def tolerance_for(dtype: torch.dtype) -> tuple[float, float]:
-    return DEFAULT_TOLERANCES.get(dtype, DEFAULT_TOLERANCES[torch.float32])
-
-
-# ---- comparing outputs --------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Diff:
-    max_abs: float  # max |actual - expected| over every tensor output
-    scale: float  # max |expected|
-    note: str = ""  # why the outputs cannot be compared, if they cannot
-
-    @property
-    def max_rel(self) -> float:
-        return (
-            self.max_abs / self.scale if self.scale > 0 else (0.0 if not self.max_abs else math.inf)
-        )
-
-    def within(self, atol: float, rtol: float) -> bool:
-        return not self.note and self.max_abs <= atol + rtol * self.scale
-
-
-def compare(actual: Any, expected: Any, skip: frozenset[int] = frozenset()) -> Diff:
-    """Elementwise distance of two (nested) outputs; NaN (or inf) where the other has none is inf.
-
-    ``skip``: positions (in flattened order) not to compare, e.g. uninitialized buffers.
-    """
-    got, want = _leaves(actual), _leaves(expected)
-    if len(got) != len(want):
-        return Diff(math.inf, 0.0, f"{len(got)} outputs vs {len(want)}")
-    max_abs = scale = 0.0
-    for i, (a, e) in enumerate(zip(got, want, strict=True)):
-        if i in skip:
-            continue
-        if not isinstance(e, torch.Tensor):
-            if a != e:
-                return Diff(math.inf, scale, f"output {i}: {a!r} != {e!r}")
-            continue
-        if not isinstance(a, torch.Tensor) or a.shape != e.shape:
-            shape = tuple(a.shape) if isinstance(a, torch.Tensor) else type(a).__name__
-            return Diff(math.inf, scale, f"output {i}: shape {shape} vs {tuple(e.shape)}")
-        if a.numel() == 0:
-            continue
-        a64, e64 = a.detach().to(torch.float64), e.detach().to(torch.float64)
-        same = (a64 == e64) | (a64.isnan() & e64.isnan())  # equal infinities included
-        diff = torch.where(same, 0.0, (a64 - e64).abs()).nan_to_num(nan=math.inf, posinf=math.inf)
-        max_abs = max(max_abs, float(diff.max()))
-        finite = e64[e64.isfinite()]
-        if finite.numel():
-            scale = max(scale, float(finite.abs().max()))
-    return Diff(max_abs, scale)
-
-
-def _leaves(value: Any) -> list[Any]:
-    # Compiled code may return a list where the graph returns a tuple: same values.
-    if isinstance(value, (tuple, list)):
-        return [leaf for v in value for leaf in _leaves(v)]
-    return tree_flatten(value)[0] if isinstance(value, dict) else [value]
-
-
-_UNINITIALIZED = re.compile(r"(^|[._])(empty|new_empty|empty_like|empty_strided)($|[._])")
-
-
-def uninitialized_outputs(graph: torch.fx.GraphModule) -> frozenset[int]:
-    """Output positions that are fresh ``empty`` buffers (e.g. attention's out-buffer).
-
-    Their values are whatever memory held; a later piece (the splitting op)
-    fills them, so comparing them would compare noise.
-    """
-    (output,) = graph.graph.find_nodes(op="output")
-    values = output.args[0]
-    values = list(values) if isinstance(values, (tuple, list)) else [values]
-    skip = set()
-    for i, node in enumerate(values):
-        if isinstance(node, torch.fx.Node) and node.op in ("call_function", "call_method"):
-            name = (
-                node.target
-                if isinstance(node.target, str)
-                else getattr(node.target, "__name__", str(node.target))
-            )
-            if _UNINITIALIZED.search(str(name)):
-                skip.add(i)
-    return frozenset(skip)
-
-
-# ---- the report ---------------------------------------------------------------------------
-
-
-@dataclass
-class PieceCheck:
-    index: int
-    name: str
-    kind: str  # "compiled" or "splitting op"
-    covers: str  # which layers, e.g. "layer 0 (after attention) .. layer 1 (before attention)"
-    shared_with: int | None = None  # the piece whose compiled code this one reuses
-    max_abs: float | None = None  # compiled vs eager (None for splitting ops)
-    max_rel: float | None = None
-    ok: bool | None = None
-    note: str = ""
-    graph_max_abs: float | None = None  # graph replay vs the same piece without a graph
-    graph_ok: bool | None = None
-
-    @property
-    def failed(self) -> bool:
-        return self.ok is False or self.graph_ok is False
-
-
-@dataclass
-class VerifyReport:
-    model: str
-    num_tokens: int
-    dtype: str
-    device: str
-    backend: str
-    atol: float
-    rtol: float
-    pieces: list[PieceCheck] = field(default_factory=list)
-    graphs: str = "off"  # what the graph comparison did, in words
-    end_to_end_max_abs: float | None = None  # compiled model vs every piece eager
-    end_to_end_max_rel: float | None = None
-
-    @property
-    def first_failure(self) -> PieceCheck | None:
-        return next((p for p in self.pieces if p.failed), None)
-
-    @property
-    def ok(self) -> bool:
-        return self.first_failure is None
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        first = self.first_failure
-        data["first_failure"] = None if first is None else first.index
-        data["ok"] = self.ok
-        return data
-
-    def format(self) -> str:
-        lines = [
-            f"check {self.model}: {self.num_tokens} tokens, {self.dtype} on {self.device}, "
-            f"{self.backend} backend; a piece passes when max|compiled - eager| <= "
-            f"{self.atol:g} + {self.rtol:g} * max|eager|",
-            "",
-        ]
-        rows = []
-        for p in self.pieces:
-            kind = p.kind if p.shared_with is None else f"compiled (code of {p.shared_with})"
-            if p.ok is None:
-                result = "ran as is"
-            else:
-                result = "ok" if p.ok else "FAIL"
-                if p.note:
-                    result += f": {p.note}"
-            graph = "-"
-            if p.graph_max_abs is not None:
-                graph = f"{p.graph_max_abs:.3g} " + ("ok" if p.graph_ok else "FAIL")
-            rows.append(
-                [
-                    p.index,
-                    kind,
-                    p.covers,
-                    "-" if p.max_abs is None else f"{p.max_abs:.3g}",
-                    "-" if p.max_rel is None else f"{p.max_rel:.3g}",
-                    result,
-                    graph,
-                ]
-            )
-        headers = [
-            "piece",
-            "kind",
-            "covers",
-            "max abs err",
-            "max rel err",
-            "result",
-            "graph replay",
-        ]
-        lines.append(format_table(headers, rows))
-        lines.append("")
-        if self.end_to_end_max_abs is not None:
-            lines.append(
-                f"end to end (compiled model vs every piece eager): max abs "
-                f"{self.end_to_end_max_abs:.3g}, max rel {self.end_to_end_max_rel:.3g}"
-            )
-        lines.append(f"CUDA graphs: {self.graphs}")
-        first = self.first_failure
-        compiled = sum(p.kind == "compiled" for p in self.pieces)
-        if first is None:
-            lines.append(f"OK: all {compiled} compiled pieces within tolerance")
-        else:
-            what = (
-                "graph replay differs" if first.ok is not False else "compiled differs from eager"
-            )
-            lines.append(f"FIRST FAILURE: piece {first.index} ({first.covers}): {what}")
-        return "\n".join(lines)
 
 
 # ---- finding the compiled model -------------------------------------------------------
 
 
-def find_compiled_module(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` or the first submodule that ``@compile_runtime.compile`` compiles."""
-    for module in model.modules():
-        compiled = module.__dict__.get("_compile_runtime")
-        if compiled is not None:
-            return module
-    raise VerifyError(
-        f"{type(model).__name__} has no module compiled by @compile_runtime.compile (built with "
-        "CompilationMode.NONE, or not decorated); build it under a CompilationConfig with "
-        "mode PIECEWISE (or DYNAMO_TRACE_ONCE) to check it"
-    )
+def _compiled_module(model: torch.nn.Module) -> torch.nn.Module:
+    module = find_compiled_module(model)
+    if module is None:
+        raise VerifyError(
+            f"{type(model).__name__} has no module compiled by @compile_runtime.compile (built "
+            "with CompilationMode.NONE, or not decorated); build it under a CompilationConfig "
+            "with mode PIECEWISE (or DYNAMO_TRACE_ONCE) to check it"
+        )
+    return module
 
 
 def _layer_label(layer_name: str) -> str:
@@ -377,25 +167,23 @@ class _Verifier:
         rtol: float | None,
         check_graphs: bool | None,
     ):
-        compiled = module.__dict__["_compile_runtime"]
-        backend = getattr(compiled, "backend", None)
-        if backend is None or backend.split_gm is None:
+        record = compiled_model(module)
+        if record is None:
             raise VerifyError(
                 f"{type(module).__name__} has no split graph (CompilationMode "
-                f"{compiled.config.mode.name}); the verifier needs CompilationMode.PIECEWISE "
-                "or DYNAMO_TRACE_ONCE"
+                f"{module.__dict__['_compile_runtime'].config.mode.name}); the verifier needs "
+                "CompilationMode.PIECEWISE or DYNAMO_TRACE_ONCE"
             )
         self.module = module
-        self.config: CompilationConfig = backend.config
-        self.backend = backend
-        self.split_gm: torch.fx.GraphModule = backend.split_gm
-        self.pieces: dict[str, Piece] = {p.name: p for p in backend.pieces}
-        self.runtimes: dict[int, PiecewiseRuntime] = {r.index: r for r in backend.runtimes}
-        self.coverage = piece_coverage(backend.pieces, backend.splitting_ops)
-        self.shared = {r.index: r.shared_with for r in backend.result.pieces}
+        self.config: CompilationConfig = record.config
+        self.split_gm: torch.fx.GraphModule = record.split_gm
+        self.pieces: dict[str, Piece] = {p.name: p for p in record.pieces}
+        self.runtimes: dict[int, PiecewiseRuntime] = {r.index: r for r in record.runtimes}
+        self.coverage = piece_coverage(record.pieces, record.splitting_ops)
+        self.shared = {r.index: r.shared_with for r in record.result.pieces}
         self.atol, self.rtol = atol, rtol
         wrapped = any(
-            isinstance(self.split_gm.__dict__.get(p.name), CUDAGraphWrapper) for p in backend.pieces
+            isinstance(self.split_gm.__dict__.get(p.name), CUDAGraphWrapper) for p in record.pieces
         )
         if check_graphs is None:
             check_graphs = wrapped
@@ -486,7 +274,7 @@ def verify_model(
     dtype of the first floating-point parameter). ``check_graphs`` None: compare graph
     replays when the model's pieces are in piecewise CUDA graphs.
     """
-    module = find_compiled_module(model)
+    module = _compiled_module(model)
     tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
     num_tokens = tensors[0].shape[0] if tensors else 0
     dtype = next(
@@ -496,10 +284,9 @@ def verify_model(
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
 
-    compiled = module.__dict__["_compile_runtime"]
     captured: list[tuple] = []
     with torch.no_grad(), _step_context(num_tokens):
-        if getattr(compiled, "traced", False) is False:
+        if not is_traced(module):
             module(*args, **kwargs)  # the first call traces and compiles
         verifier = _Verifier(module, atol, rtol, check_graphs)
         hook = verifier.split_gm.register_forward_pre_hook(
@@ -541,44 +328,3 @@ def _unwrap_single(value: Any) -> Any:
     while isinstance(value, (tuple, list)) and len(value) == 1:
         value = value[0]
     return value
-
-
-def check_model_dir(
-    model_dir: str,
-    config: CompilationConfig | dict | str | None = None,
-    *,
-    num_tokens: int = 16,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str | None = None,
-    seed: int = 0,
-    atol: float | None = None,
-    rtol: float | None = None,
-    check_graphs: bool | None = None,
-    use_transformers: bool = False,
-) -> VerifyReport:
-    """Load ``model_dir`` under ``config`` and verify it on ``num_tokens`` random tokens."""
-    from compile_runtime.config import parse_config
-    from compile_runtime.models.registry import load_model
-
-    config = parse_config(config)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(
-            f"{model_dir!r} is not a model directory (no config.json); pass a directory with "
-            "config.json and safetensors weights"
-        )
-    if num_tokens < 1:
-        raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
-    model = load_model(
-        model_dir, config, dtype=dtype, device=device, use_transformers=use_transformers
-    )
-    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 100)
-    generator = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, vocab, (num_tokens,), generator=generator).to(device)
-    positions = torch.arange(num_tokens, device=device)
-    forward = model.model if hasattr(model, "model") else model
-    return verify_model(
-        forward, input_ids, positions, atol=atol, rtol=rtol, check_graphs=check_graphs
-    )
