@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from compile_runtime.attention.layer import Attention
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.compiler.decorator import (
     GraphBreakError,
     TracedArgumentError,
@@ -20,6 +19,7 @@ from compile_runtime.config import (
     get_compilation_config,
     set_compilation_config,
 )
+from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.forward_context import (
     ForwardContextError,
@@ -30,10 +30,10 @@ from compile_runtime.version import __version__
 
 # Generation pulls in transformers and the model code: imported on first use.
 _LAZY = {
-    "LLM": "compile_runtime.runner.llm",
-    "RequestOutput": "compile_runtime.runner.llm",
+    "LLM": "compile_runtime.engine.llm",
+    "RequestOutput": "compile_runtime.engine.llm",
     "SamplingParams": "compile_runtime.runner.sampling_params",
-    "StepFailedError": "compile_runtime.runner.llm",
+    "StepFailedError": "compile_runtime.engine.llm",
 }
 
 

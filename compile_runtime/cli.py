@@ -114,7 +114,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from compile_runtime.runner.llm import LLM
+    from compile_runtime.engine.llm import LLM
     from compile_runtime.runner.sampling_params import SamplingParams
 
     llm = LLM(

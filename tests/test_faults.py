@@ -42,7 +42,7 @@ from compile_runtime.config import (
     RunnerConfig,
     resolve_cudagraph_mode,
 )
-from compile_runtime.runner.llm import LLM, StepFailedError
+from compile_runtime.engine.llm import LLM, StepFailedError
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.testing.toy import SumAttention
 

@@ -6,7 +6,7 @@ import pytest
 from compile_runtime.passes import Phase
 
 from compile_runtime.compiler.decorator import compiled_model
-from compile_runtime.runner.llm import LLM
+from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]

@@ -38,11 +38,11 @@ import torch
 import torch.fx.experimental._config as fx_config
 
 from compile_runtime.cache.location import CacheError
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.compiler.graph_compiler import CompileResult, GraphCompiler
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
 from compile_runtime.compiler.split import Piece, SplittingOpError
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
+from compile_runtime.counters import compilation_counter
 from compile_runtime.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)

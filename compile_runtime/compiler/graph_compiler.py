@@ -26,7 +26,6 @@ from compile_runtime.backends.compiler import make_adaptor
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import key_factors, source_digests
 from compile_runtime.cache.location import cache_root
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.compiler.graph_hash import piece_hash
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, find_size_locator
 from compile_runtime.compiler.split import (
@@ -36,6 +35,7 @@ from compile_runtime.compiler.split import (
     split_graph,
 )
 from compile_runtime.config import CompilationConfig, CompilationMode
+from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.wrapper import wrap_piece
 from compile_runtime.passes.manager import PassManager
 

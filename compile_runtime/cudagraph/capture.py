@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.config import CUDAGraphMode
+from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
 from compile_runtime.forward_context import set_forward_context

@@ -28,13 +28,13 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map_only
 
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.config import (
     CompilationConfig,
     CompilationMode,
     CUDAGraphMode,
     get_compilation_config,
 )
+from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
 

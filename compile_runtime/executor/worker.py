@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from compile_runtime.compiler.counters import compilation_counter
 from compile_runtime.config import EngineConfig
+from compile_runtime.counters import compilation_counter
 from compile_runtime.distributed import default_backend, init_distributed
 from compile_runtime.executor.base import WorkerInfo
 from compile_runtime.runner.model_runner import ModelRunner
