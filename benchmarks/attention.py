@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from compile_runtime.backends.attention import load_backend
 
-from compile_runtime.attention import AttentionSpec
 from compile_runtime.attention.kv_cache import kv_cache_shape
+from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.config import AttentionCGSupport
 
 ROOT = Path(__file__).resolve().parent.parent

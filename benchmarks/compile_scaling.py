@@ -35,7 +35,7 @@ def run_variant(variant: str, num_layers: int) -> dict:
     from torch._dynamo.utils import counters
 
     import compile_runtime as cr
-    from compile_runtime.testing import build_transformer
+    from compile_runtime.testing.transformer import build_transformer
 
     counter = cr.compilation_counter
     traces = {"n": 0}

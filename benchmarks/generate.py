@@ -33,7 +33,7 @@ from llama_33m import MODEL, prompts
 from torch._dynamo.utils import counters
 
 import compile_runtime as cr
-from compile_runtime.tiny_models import make_model_dir
+from compile_runtime.testing.model_dirs import make_model_dir
 
 CONFIGS = {
     "eager": {"mode": "NONE"},

@@ -1,7 +1,7 @@
 """Per-step GPU latency: eager vs our PIECEWISE and FULL CUDA graphs vs stock reduce-overhead.
 
-Two models: the toy model of the tests (tests/toy_models.py) and a small
-Llama-shaped stack (compile_runtime.testing: RMSNorm, rotary, GQA, SwiGLU;
+Two models: the toy model of the tests (compile_runtime.testing.toy) and a small
+Llama-shaped stack (compile_runtime.testing.transformer: RMSNorm, rotary, GQA, SwiGLU;
 its attention is causal over the step's tokens, no KV cache). One step is
 what the runner does per batch: dispatch, copy into persistent buffers, run
 the forward. At small batches a step is bound by kernel launches, which is
@@ -56,8 +56,8 @@ class Bench:
         import torch
 
         import compile_runtime as cr
-        from compile_runtime.capture import capture
-        from compile_runtime.cudagraph import wrap_full_model
+        from compile_runtime.cudagraph.capture import capture
+        from compile_runtime.cudagraph.wrapper import wrap_full_model
 
         self.torch, self.cr = torch, cr
         self.model_name, self.mode = model_name, mode
@@ -109,11 +109,10 @@ class Bench:
 
 def build_model(name: str, config: Any, shape: dict[str, int]) -> Any:
     if name == "toy":
-        sys.path.insert(0, str(ROOT / "tests"))
-        from toy_models import build
+        from compile_runtime.testing.toy import build
 
         return build(config, **shape)
-    from compile_runtime.testing import build_transformer
+    from compile_runtime.testing.transformer import build_transformer
 
     return build_transformer(config, **shape)
 

@@ -54,8 +54,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from compile_runtime.config import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes  # noqa: E402
 from compile_runtime.planner.sizes import (  # noqa: E402
+    DEFAULT_MAX_CAPTURE_SIZE,
+    default_capture_sizes,
     default_ladder_with_k,
     default_num_graphs,
     ladder_cost,
@@ -270,7 +271,7 @@ class LatencyBench:
         import compile_runtime as cr
         from compile_runtime.models.llama import CausalLM
         from compile_runtime.models.registry import default_dtype_and_device
-        from compile_runtime.tiny_models import tiny_config
+        from compile_runtime.testing.model_dirs import tiny_config
 
         self.args = args
         self.device = torch.device(args.device)
@@ -300,8 +301,8 @@ class LatencyBench:
         import torch
 
         import compile_runtime as cr
-        from compile_runtime.capture import CaptureInputs, capture
-        from compile_runtime.dispatcher import CudagraphDispatcher
+        from compile_runtime.cudagraph.capture import CaptureInputs, capture
+        from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 
         config = self.config.model_copy(update={"cudagraph_capture_sizes": sizes})
         dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)
@@ -381,12 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"# {name}: {summaries[name]}", file=sys.stderr)
         if args.save_workloads:
-            from compile_runtime.runner.workload import WorkloadRecorder
-
-            rec = WorkloadRecorder()
-            rec.mixed, rec.decode = fit.mixed, fit.decode
             Path(args.save_workloads).mkdir(parents=True, exist_ok=True)
-            rec.save(str(Path(args.save_workloads) / f"{name}.json"))
+            fit.save(str(Path(args.save_workloads) / f"{name}.json"))
         workload_rows = padding_rows(name, fit, heldout)
         if args.latency:
             bench = bench or LatencyBench(args)

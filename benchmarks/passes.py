@@ -88,17 +88,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fused_ops_per_layer(backend) -> dict[str, int]:
+def fused_ops_per_layer(record) -> dict[str, int]:
     """Fused ops in the compiled piece that the middle layers share (one layer's worth)."""
     from compile_runtime.passes import Phase
 
-    records = [r for r in backend.pass_manager.records if r.phase == Phase.POST_GRAD]
+    records = [r for r in record.pass_manager.records if r.phase == Phase.POST_GRAD]
     graphs: list[str] = []
     for r in records:
         if r.graph not in graphs:
             graphs.append(r.graph)
     # Unique pieces compile in order: first, shared middle, last.
-    pieces = [r for r in backend.result.pieces if not r.is_splitting_op]
+    pieces = [r for r in record.result.pieces if not r.is_splitting_op]
     unique = [r for r in pieces if r.shared_with is None]
     shared = max(unique, key=lambda u: sum(p.shared_with == u.index for p in pieces))
     graph = graphs[unique.index(shared)] if len(graphs) == len(unique) else None
@@ -116,9 +116,10 @@ def build_variant(variant: str, args: argparse.Namespace):
     import torch
 
     import compile_runtime as cr
+    from compile_runtime.compiler.decorator import compiled_model
     from compile_runtime.models.llama import CausalLM
     from compile_runtime.models.registry import default_dtype_and_device
-    from compile_runtime.tiny_models import tiny_config
+    from compile_runtime.testing.model_dirs import tiny_config
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))
@@ -138,11 +139,11 @@ def build_variant(variant: str, args: argparse.Namespace):
         # The first call traces: not at 1 token, which Dynamo would specialize on.
         step(model, 16, device)
     sync(device)
-    backend = model.model._compile_runtime.backend
+    record = compiled_model(model.model)
     info = {
         "variant": variant,
         "compile_s": round(time.perf_counter() - start, 2),
-        "fused_per_layer": fused_ops_per_layer(backend),
+        "fused_per_layer": fused_ops_per_layer(record),
         "ms": {},
     }
     return model, info

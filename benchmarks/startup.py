@@ -25,7 +25,8 @@ def child(cache_dir: str, num_layers: int) -> dict:
     import torch
 
     import compile_runtime as cr
-    from compile_runtime.testing import build_transformer
+    from compile_runtime.compiler.decorator import compiled_model
+    from compile_runtime.testing.transformer import build_transformer
 
     config = cr.CompilationConfig(backend="inductor", cache_dir=cache_dir)
     model = build_transformer(
@@ -42,12 +43,12 @@ def child(cache_dir: str, num_layers: int) -> dict:
         start = time.perf_counter()
         model(ids, torch.arange(32))
         total = time.perf_counter() - start
-    backend = model._compile_runtime.backend
+    record = compiled_model(model)
     c = cr.compilation_counter
     return {
         "total_s": round(total, 2),
-        "backend_s": round(backend.result.seconds, 2),
-        "trace_s": round(total - backend.result.seconds, 2),
+        "backend_s": round(record.result.seconds, 2),
+        "trace_s": round(total - record.result.seconds, 2),
         "inductor_compiles": c.num_inductor_compiles,
         "artifacts_loaded": c.num_compiled_artifacts_loaded,
     }

@@ -119,7 +119,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from compile_runtime.table import format_table
-    from compile_runtime.tiny_models import make_model_dir
+    from compile_runtime.testing.model_dirs import make_model_dir
 
     model_dir = make_model_dir(args.model_dir, arch="llama", with_tokenizer=False, **MODEL)
     settings = [(1, "uni")] if 1 in args.tp else []

@@ -62,7 +62,7 @@ from llama_33m import MODEL
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.tiny_models import make_model_dir
+from compile_runtime.testing.model_dirs import make_model_dir
 
 OURS = {
     "ours_none": {"mode": "NONE"},

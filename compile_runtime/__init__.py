@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from compile_runtime.attention import Attention
+from compile_runtime.attention.layer import Attention
+from compile_runtime.compiler.decorator import (
+    GraphBreakError,
+    TracedArgumentError,
+    compile,
+    ignore_compile,
+)
+from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import (
     AttentionCGSupport,
     CompilationConfig,
@@ -12,29 +19,21 @@ from compile_runtime.config import (
     get_compilation_config,
     set_compilation_config,
 )
-from compile_runtime.counter import compilation_counter
-from compile_runtime.decorator import (
-    GraphBreakError,
-    TracedArgumentError,
-    compile,
-    ignore_compile,
-)
-from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.counters import compilation_counter
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.forward_context import (
     ForwardContextError,
     get_forward_context,
     set_forward_context,
 )
-from compile_runtime.split import SplittingOpError
-
-__version__ = "0.1.0"
+from compile_runtime.version import __version__
 
 # Generation pulls in transformers and the model code: imported on first use.
 _LAZY = {
-    "LLM": "compile_runtime.runner.llm",
-    "RequestOutput": "compile_runtime.runner.llm",
+    "LLM": "compile_runtime.engine.llm",
+    "RequestOutput": "compile_runtime.engine.llm",
     "SamplingParams": "compile_runtime.runner.sampling_params",
-    "StepFailedError": "compile_runtime.runner.llm",
+    "StepFailedError": "compile_runtime.engine.llm",
 }
 
 

@@ -17,6 +17,7 @@ from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.runner.model_runner import ModelRunnerError
+from compile_runtime.version import __version__
 
 # ValueError covers pydantic's ValidationError, JSON errors and most of our own
 # error classes (CacheError, WeightLoadingError, CudagraphModeError, ...);
@@ -113,7 +114,7 @@ def _config_show(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from compile_runtime.runner.llm import LLM
+    from compile_runtime.engine.llm import LLM
     from compile_runtime.runner.sampling_params import SamplingParams
 
     llm = LLM(
@@ -155,8 +156,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from compile_runtime import __version__
-
     parser = _Parser(prog="compile-runtime", description=__doc__)
     parser.add_argument("--version", action="version", version=f"compile-runtime {__version__}")
     parser.add_argument(
@@ -217,7 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     register_cache(sub)
     from compile_runtime.planner.cli import register as register_planner
 
-    register_planner(sub)  # plan-sizes, check
+    register_planner(sub)  # plan-sizes
+    from compile_runtime.verify.cli import register as register_check
+
+    register_check(sub)
     return parser
 
 

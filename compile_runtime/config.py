@@ -17,18 +17,18 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
+import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     field_serializer,
     field_validator,
     model_validator,
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_CAPTURE_SIZE = 512
 
 
 class CompilationMode(enum.IntEnum):
@@ -136,12 +136,6 @@ class PassConfig(BaseModel):
     enable_fix_functionalization: bool = True  # in-place custom ops back in place; last
 
 
-def default_capture_sizes(max_size: int) -> list[int]:
-    """1, 2, 4, then 8..248 step 8, then 256.. step 16, up to ``max_size``."""
-    ladder = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
-    return [s for s in ladder if s <= max_size]
-
-
 def _coerce_enum(enum_cls: type[enum.Enum], value: Any) -> Any:
     if isinstance(value, str):
         try:
@@ -173,6 +167,37 @@ def check_inductor_options(options: dict[str, Any]) -> None:
         else:
             hint = "see torch._inductor.config for the options"
         raise ValueError(f"{key!r} is not an Inductor option; {hint}")
+
+
+AUTO_PREFIX = "auto:"
+
+
+@dataclass(frozen=True)
+class AutoSpec:
+    """``cudagraph_capture_sizes="auto:FILE[:K]"``: plan K sizes from a workload file at start-up."""
+
+    path: str
+    max_graphs: int | None  # None: as many as the default ladder needs
+
+
+def parse_auto_spec(spec: str) -> AutoSpec:
+    """``"auto:FILE"`` or ``"auto:FILE:K"``; anything else is an error that shows the forms."""
+    forms = (
+        "use a list of sizes, or 'auto:FILE' / 'auto:FILE:K' to plan K sizes from a workload "
+        "file (compile-runtime generate --record-workload FILE)"
+    )
+    if not spec.startswith(AUTO_PREFIX):
+        raise ValueError(f"cudagraph_capture_sizes={spec!r} is not understood; {forms}")
+    rest = spec[len(AUTO_PREFIX) :]
+    path, k = rest, None
+    head, sep, tail = rest.rpartition(":")
+    if sep and tail.strip().lstrip("+-").isdigit():
+        path, k = head, int(tail)
+        if k < 1:
+            raise ValueError(f"cudagraph_capture_sizes={spec!r}: K must be >= 1, got {k}; {forms}")
+    if not path:
+        raise ValueError(f"cudagraph_capture_sizes={spec!r} names no file; {forms}")
+    return AutoSpec(path, k)
 
 
 class CompilationConfig(BaseModel):
@@ -222,9 +247,7 @@ class CompilationConfig(BaseModel):
     def _positive_sorted_unique(cls, v: list[int] | str | None) -> list[int] | str | None:
         if v is None:
             return v
-        if isinstance(v, str):  # "auto:FILE[:K]", planned in capture_sizes()
-            from compile_runtime.planner.auto import parse_auto_spec
-
+        if isinstance(v, str):  # "auto:FILE[:K]", planned when the dispatcher is built
             parse_auto_spec(v)
             return v
         for size in v:
@@ -259,24 +282,6 @@ class CompilationConfig(BaseModel):
 
     # ---- derived values -------------------------------------------------
 
-    def capture_sizes(self, max_num_tokens: int | None = None) -> list[int]:
-        """The CUDA graph sizes, bounded by the runner's tokens per step if known."""
-        if isinstance(self.cudagraph_capture_sizes, str):
-            from compile_runtime.planner.auto import resolve_auto_sizes
-
-            cap = self.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE
-            cap = min(cap, max_num_tokens) if max_num_tokens is not None else cap
-            sizes = resolve_auto_sizes(self.cudagraph_capture_sizes, cap)
-        elif self.cudagraph_capture_sizes is not None:
-            sizes = list(self.cudagraph_capture_sizes)
-        else:
-            sizes = default_capture_sizes(
-                self.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE
-            )
-        if max_num_tokens is not None:
-            sizes = [s for s in sizes if s <= max_num_tokens]
-        return sizes
-
     def compute_hash(self) -> str:
         """Stable hash over every field that changes compiled code."""
         data = self.model_dump(mode="json", exclude=set(self.HASH_EXCLUDED_FIELDS))
@@ -300,15 +305,13 @@ class CompilationConfig(BaseModel):
 
         ``attention_split``: whether the traced graph really has splitting-op
         pieces; once the model is traced pass what its split produced
-        (``compile_runtime.decorator.attention_split(model)``), since a
+        (``compile_runtime.compiler.decorator.attention_split(model)``), since a
         ``splitting_ops`` entry can match nothing. None guesses from
         ``splitting_ops`` alone.
         """
         if attention_split is None:
             attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0
         if cuda_available is None:
-            import torch
-
             cuda_available = torch.cuda.is_available()
         mode = resolve_cudagraph_mode(
             self.cudagraph_mode,
@@ -473,3 +476,133 @@ def parse_config(
                 f"compilation config is not valid JSON ({e}): {text_or_dict!r}"
             ) from None
     return CompilationConfig.model_validate(text_or_dict)
+
+
+# ---- the engine's configs: the runner's sizes, and what a worker needs to build its runner
+
+
+class ConfigError(ValueError):
+    """A configuration value no engine can run with: one line per bad field, each with the fix."""
+
+
+class CheckedConfig(BaseModel):
+    """Base of the engine's configs: unknown fields are rejected and every validation error
+    becomes one ``ConfigError`` line, ``Class.field=value: what is wrong (what the field is)``,
+    both at construction and on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    @classmethod
+    def _one_line_per_field(cls, error: ValidationError) -> str:
+        lines = []
+        for err in error.errors():
+            name = ".".join(str(part) for part in err["loc"])
+            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            if err["type"] == "extra_forbidden":
+                lines.append(
+                    f"{cls.__name__}.{name}: unknown field; the fields are "
+                    f"{', '.join(cls.model_fields)}"
+                )
+                continue
+            message = err["msg"].removeprefix("Value error, ")
+            hint = f" ({field.description})" if field is not None and field.description else ""
+            lines.append(f"{cls.__name__}.{name}={err['input']!r}: {message}{hint}")
+        return "\n".join(lines)
+
+
+class RunnerConfig(CheckedConfig):
+    """Sizes of the runner's batch and KV cache (the same on every rank)."""
+
+    max_num_seqs: int = Field(16, ge=1, description="requests in one step, e.g. 16")
+    max_num_batched_tokens: int = Field(
+        256, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 256"
+    )
+    max_model_len: int = Field(
+        512,
+        ge=1,
+        description="prompt + output tokens of one request; at most the model's "
+        "max_position_embeddings",
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block, e.g. 16")
+    # CPU: the KV cache's byte budget. CUDA: fraction of device memory to use.
+    kv_cache_bytes: int = Field(
+        64 * 2**20, ge=1, description="bytes of KV cache on a CPU, e.g. 64 MiB = 67108864"
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=1.0, description="fraction of GPU memory this engine may use, e.g. 0.85"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=2, description="KV cache blocks, block 0 reserved; None sizes the cache"
+    )
+    # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
+    # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
+    cpu_pack_weights: bool = True
+    # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU threads of each rank; None uses the free cores"
+    )
+
+    def check_model(self, hf_config: Any, model_dir: str) -> None:
+        """Reject a max_model_len past the positions the model has (its rotary table ends there)."""
+        max_positions = getattr(hf_config, "max_position_embeddings", None)
+        if max_positions is not None and self.max_model_len > max_positions:
+            raise ConfigError(
+                f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "
+                f"max_model_len to at most {max_positions}"
+            )
+
+
+ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class EngineConfig(CheckedConfig):
+    """Everything a worker needs to build its runner (plain data: it travels to workers)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model_dir: str
+    compilation_config: CompilationConfig
+    runner_config: RunnerConfig
+    dtype: torch.dtype = torch.float32
+    device: str | None = None  # None: CUDA when available, else CPU
+    use_transformers: bool = False
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
+    # Seconds a step may take before the driver gives up on a silent (hung) worker.
+    step_timeout_s: float = Field(600.0, gt=0, description="seconds one step may take")
+    # Seconds start-up (load, compile, capture) may take on any rank.
+    startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
+    # Environment variables set in every worker (Ray workers do not inherit the driver's).
+    worker_env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("dtype")
+    @classmethod
+    def _float_dtype(cls, v: torch.dtype) -> torch.dtype:
+        if v not in ENGINE_DTYPES:
+            raise ValueError(f"dtype {v} is not one of {', '.join(map(str, ENGINE_DTYPES))}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            kind = torch.device(v).type
+        except RuntimeError:  # not a device string at all
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {v!r}; use 'cpu', 'cuda' or 'cuda:N', or None")
+        return v

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from compile_runtime.config import CUDAGraphMode
 
 if TYPE_CHECKING:
-    from compile_runtime.dispatcher import BatchDescriptor
+    from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 
 
 class ForwardContextError(RuntimeError):

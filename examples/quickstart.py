@@ -16,7 +16,7 @@ import logging
 
 import compile_runtime as cr
 from compile_runtime.table import format_table
-from compile_runtime.tiny_models import make_model_dir
+from compile_runtime.testing.model_dirs import make_model_dir
 
 PROMPTS = [
     "hello world",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.fx
+from compile_runtime.passes import matching
 
 
 class Phase(enum.Enum):
@@ -99,8 +100,6 @@ class GraphPass(abc.ABC):
         return {"token_range": [self.token_range.min_tokens, self.token_range.max_tokens]}
 
     def uuid(self) -> str:
-        from compile_runtime.passes import matching
-
         mro = type(self).__mro__
         own = [mro[0], *(c for c in mro[1:] if c.__module__.startswith("compile_runtime."))]
         src = source_hash(*own, matching, *self.depends_on)

@@ -48,7 +48,7 @@ if ! $PY -m pip install -q --no-deps --no-build-isolation -e . >"$OUT_DIR/instal
     export PYTHONPATH=$SHIM${PYTHONPATH:+:$PYTHONPATH}
     PYFLAGS="-P"  # keep the current directory's compile_runtime/ from shadowing the tree
 fi
-$PY $PYFLAGS -c "import compile_runtime.backends, compile_runtime.cudagraph as c; print('imported', c.__file__)" || exit 1
+$PY $PYFLAGS -c "import compile_runtime.backends, compile_runtime.cudagraph.wrapper as c; print('imported', c.__file__)" || exit 1
 
 echo "== pytest -m cuda"
 timeout $((BUDGET * 45 / 100)) $PY $PYFLAGS -m pytest -m cuda -q -p no:cacheprovider \

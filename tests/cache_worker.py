@@ -7,9 +7,9 @@ import json
 import logging
 
 import torch
-from toy_models import build
 
 import compile_runtime as cr
+from compile_runtime.testing.toy import build
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cache-dir", required=True)

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from compile_runtime.tiny_models import make_model_dir
+from compile_runtime.testing.model_dirs import make_model_dir
 
 # The default CPU thread count follows how busy the machine is and is part of the
 # cache key; pin it (for this process and the CLI subprocesses tests start) so two

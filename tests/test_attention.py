@@ -28,17 +28,16 @@ from hypothesis import strategies as st
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.attention import (
+from compile_runtime.attention.kv_cache import (
     NULL_BLOCK_ID,
-    Attention,
-    AttentionSpec,
-    MetadataError,
     allocate_kv_cache,
-    attention_layers,
     bind_kv_cache,
     compute_slot_mapping,
 )
-from compile_runtime.attention.testing import PagedBatch, make_paged_batch
+from compile_runtime.attention.layer import Attention, attention_layers
+from compile_runtime.attention.metadata import MetadataError
+from compile_runtime.attention.spec import AttentionSpec
+from compile_runtime.testing.attention import PagedBatch, make_paged_batch
 
 AttentionCGSupport = cr.AttentionCGSupport
 

@@ -9,13 +9,10 @@ from compile_runtime.backends.attention import load_backend
 from compile_runtime.backends.attention.torch_native import TorchNativeImpl
 
 import compile_runtime as cr
-from compile_runtime.attention import (
-    Attention,
-    AttentionSpec,
-    bind_kv_cache,
-    compute_slot_mapping,
-)
-from compile_runtime.attention.testing import make_paged_batch
+from compile_runtime.attention.kv_cache import bind_kv_cache, compute_slot_mapping
+from compile_runtime.attention.layer import Attention
+from compile_runtime.attention.spec import AttentionSpec
+from compile_runtime.testing.attention import make_paged_batch
 
 pytestmark = pytest.mark.cuda
 

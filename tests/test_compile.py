@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
-from toy_models import ToyModel, build
 
 import compile_runtime as cr
-from compile_runtime.piecewise import PiecewiseRuntime
+from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.compiler.piecewise import PiecewiseRuntime
+from compile_runtime.testing.toy import ToyModel, build
 
 counter = cr.compilation_counter
 EAGER = cr.CompilationConfig(backend="eager")
@@ -61,7 +62,7 @@ def test_first_call_at_size_one_is_not_specialised():
 def test_piece_dispatch_uses_exact_size_callable():
     model = build(EAGER.model_copy(update={"compile_sizes": [4]}))
     model(ids(5))
-    runtimes = model._compile_runtime.backend.runtimes
+    runtimes = compiled_model(model).runtimes
     assert len(runtimes) == 4 and all(isinstance(r, PiecewiseRuntime) for r in runtimes)
     first = runtimes[0]
     assert first.callable_for(4) is first.exact[4] and first.callable_for(5) is first.general
@@ -184,7 +185,7 @@ def test_dynamic_arg_dims_and_optional_tensors():
             out = input_ids.float() + positions
             return out if bias is None else out + bias
 
-    from compile_runtime.decorator import infer_dynamic_arg_dims
+    from compile_runtime.compiler.decorator import infer_dynamic_arg_dims
 
     class Annotated(nn.Module):
         def forward(self, a: torch.Tensor, b: torch.Tensor | None = None, c: int = 0): ...

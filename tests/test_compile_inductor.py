@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.testing import build_transformer
+from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.testing.toy import build
+from compile_runtime.testing.transformer import build_transformer
 
 counter = cr.compilation_counter
 # No compile cache: a hit left by an earlier test would stand in for the compiles counted here.
@@ -67,4 +68,4 @@ def test_tiny_transformer_inductor_matches_eager():
             torch.testing.assert_close(
                 model(input_ids, positions), ref(input_ids, positions), rtol=1e-4, atol=1e-4
             )
-    assert model._compile_runtime.backend.result.unique_pieces == 3
+    assert compiled_model(model).result.unique_pieces == 3

@@ -9,7 +9,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import compile_runtime as cr
-from compile_runtime.config import CudagraphModeError, default_capture_sizes, parse_config
+from compile_runtime.config import CudagraphModeError, parse_config
+from compile_runtime.planner.capture_sizes import resolve_capture_sizes
+from compile_runtime.planner.sizes import default_capture_sizes
 
 M = cr.CUDAGraphMode
 S = cr.AttentionCGSupport
@@ -172,11 +174,17 @@ def test_defaults():
     assert config.mode == cr.CompilationMode.PIECEWISE
     assert config.backend == "inductor"
     assert config.cudagraph_mode == FAP
-    sizes = config.capture_sizes()
+    sizes = resolve_capture_sizes(config)
     assert sizes[:4] == [1, 2, 4, 8] and sizes[-1] == 512
     assert 248 in sizes and 256 in sizes and 272 in sizes and 264 not in sizes
-    assert config.capture_sizes(max_num_tokens=100)[-1] == 96
-    assert cr.CompilationConfig(max_cudagraph_capture_size=20).capture_sizes() == [1, 2, 4, 8, 16]
+    assert resolve_capture_sizes(config, max_num_tokens=100)[-1] == 96
+    assert resolve_capture_sizes(cr.CompilationConfig(max_cudagraph_capture_size=20)) == [
+        1,
+        2,
+        4,
+        8,
+        16,
+    ]
 
 
 @given(st.lists(st.integers(min_value=-5, max_value=1000), max_size=20))
@@ -189,7 +197,7 @@ def test_capture_sizes_normalise_or_name_bad_value(sizes):
         return
     assert all(s > 0 for s in sizes)
     assert config.cudagraph_capture_sizes == sorted(set(sizes))
-    assert config.capture_sizes() == sorted(set(sizes))
+    assert resolve_capture_sizes(config) == sorted(set(sizes))
 
 
 @given(

@@ -8,11 +8,11 @@ import weakref
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.capture import CaptureInputs, capture
-from compile_runtime.cudagraph import (
+from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.cudagraph.capture import CaptureInputs, capture
+from compile_runtime.cudagraph.wrapper import (
     CUDAGraphAddressError,
     CUDAGraphCaptureError,
     CUDAGraphWrapper,
@@ -23,6 +23,7 @@ from compile_runtime.cudagraph import (
     weak_ref_tensor,
     wrap_full_model,
 )
+from compile_runtime.testing.toy import build
 
 M = cr.CUDAGraphMode
 BD = cr.BatchDescriptor
@@ -284,7 +285,7 @@ def make_dispatcher(config, mode):
 
 
 def pieces_of(model):
-    split_gm = model._compile_runtime.backend.split_gm
+    split_gm = compiled_model(model).split_gm
     return [v for v in split_gm.__dict__.values() if isinstance(v, CUDAGraphWrapper)]
 
 

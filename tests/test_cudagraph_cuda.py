@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from toy_models import build
 
 import compile_runtime as cr
-from compile_runtime.capture import capture
-from compile_runtime.cudagraph import CUDAGraphAddressError, CUDAGraphWrapper, wrap_full_model
+from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.cudagraph.capture import capture
+from compile_runtime.cudagraph.wrapper import (
+    CUDAGraphAddressError,
+    CUDAGraphWrapper,
+    wrap_full_model,
+)
+from compile_runtime.testing.toy import build
 
 pytestmark = pytest.mark.cuda
 
@@ -37,7 +42,7 @@ def dispatcher_for(mode: M) -> cr.CudagraphDispatcher:
 
 
 def piece_wrappers(model) -> list[CUDAGraphWrapper]:
-    split_gm = model._compile_runtime.backend.split_gm
+    split_gm = compiled_model(model).split_gm
     return [v for v in split_gm.__dict__.values() if isinstance(v, CUDAGraphWrapper)]
 
 

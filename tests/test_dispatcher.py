@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import compile_runtime as cr
-from compile_runtime.config import default_capture_sizes
-from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher, padding_table
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher, padding_table
+from compile_runtime.planner.sizes import default_capture_sizes
 
 M = cr.CUDAGraphMode
 NONE, PW, FULL = M.NONE, M.PIECEWISE, M.FULL

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from compile_runtime.distributed import TensorParallelConfigError
+from compile_runtime.engine.llm import LLM
 from compile_runtime.executor import WorkerDiedError, executor_class
-from compile_runtime.runner.llm import LLM
 from compile_runtime.runner.sampling_params import SamplingParams
 
 # Ray must use the loopback address only; read when ray is first imported.

@@ -26,24 +26,25 @@ import torch
 from compile_runtime.backends.compiler import CompiledPiece, EagerAdaptor
 from pydantic import ValidationError
 from torch import nn
-from toy_models import SumAttention
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-import compile_runtime.backend
+import compile_runtime.compiler.graph_compiler
 from compile_runtime.cache import manage
 from compile_runtime.cache.key import compute_key
 from compile_runtime.cli import format_error, main
 from compile_runtime.config import (
     AttentionCGSupport,
     CompilationMode,
+    ConfigError,
     CUDAGraphMode,
+    EngineConfig,
+    RunnerConfig,
     resolve_cudagraph_mode,
 )
-from compile_runtime.executor import EngineConfig
-from compile_runtime.runner.llm import LLM, StepFailedError
-from compile_runtime.runner.model_runner import ConfigError, RunnerConfig
+from compile_runtime.engine.llm import LLM, StepFailedError
 from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.testing.toy import SumAttention
 
 counter = cr.compilation_counter
 NUM_PIECES = 3  # FaultModel: first, middle (shared by the layer boundary), last
@@ -108,7 +109,9 @@ def start(cache_dir, num_layers: int = 2, **config) -> tuple[int, int, torch.Ten
     """One start in a fresh model: (pieces compiled, pieces loaded, output)."""
     config = cr.CompilationConfig(backend="eager", cache_dir=str(cache_dir), **config)
     before = counter.clone()
-    with mock.patch.object(compile_runtime.backend, "make_adaptor", lambda *a: SavedEagerAdaptor()):
+    with mock.patch.object(
+        compile_runtime.compiler.graph_compiler, "make_adaptor", lambda *a: SavedEagerAdaptor()
+    ):
         torch.manual_seed(0)
         with cr.set_compilation_config(config):
             model = FaultModel(num_layers).eval()

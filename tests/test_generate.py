@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.runner.llm import LLM
+from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]

@@ -7,8 +7,8 @@ import torch
 from test_passes_model import ALL_OFF, GREEDY, PROMPTS, RUNNER, post_grad_counts
 
 import compile_runtime.ops  # noqa: F401 - registers the ops
+from compile_runtime.engine.llm import LLM
 from compile_runtime.ops.fused import _rms_norm_torch, _rotary_torch, _silu_and_mul_torch
-from compile_runtime.runner.llm import LLM
 
 pytestmark = pytest.mark.cuda
 ops = torch.ops.compile_runtime

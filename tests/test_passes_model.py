@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from compile_runtime.passes import Phase
 
-from compile_runtime.runner.llm import LLM
+from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
@@ -29,7 +30,7 @@ def generate(model_dir: str, config: dict) -> tuple[list[list[int]], LLM]:
 
 def post_grad_counts(llm: LLM) -> list[dict[str, int]]:
     """Per compiled piece, in compile order: the ops each fusion put in (details summed)."""
-    manager = llm.runner.model.model._compile_runtime.backend.pass_manager
+    manager = compiled_model(llm.runner.model.model).pass_manager
     graphs: dict[str, dict[str, int]] = {}
     for r in manager.records:
         if r.phase == Phase.POST_GRAD:

@@ -11,9 +11,9 @@ from hypothesis import strategies as st
 
 import compile_runtime as cr
 from compile_runtime.cli import main
-from compile_runtime.config import default_capture_sizes
-from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.planner import (
+    Workload,
     WorkloadError,
     default_ladder_with_k,
     ladder_cost,
@@ -21,7 +21,8 @@ from compile_runtime.planner import (
     plan_report,
     plan_sizes,
 )
-from compile_runtime.runner.workload import WorkloadRecorder
+from compile_runtime.planner.capture_sizes import resolve_capture_sizes
+from compile_runtime.planner.sizes import default_capture_sizes
 
 histograms = st.dictionaries(st.integers(1, 16), st.integers(1, 50), min_size=1, max_size=8)
 
@@ -101,7 +102,7 @@ def test_plan_sizes_rejects_bad_arguments():
 
 
 def recorded(tmp_path, steps):
-    rec = WorkloadRecorder()
+    rec = Workload()
     for n, decode in steps:
         rec.record(n, decode)
     path = tmp_path / "workload.json"
@@ -151,16 +152,16 @@ def test_auto_capture_sizes_plan_at_start_up(tmp_path):
     path = recorded(tmp_path, [(n, True) for n in (1, 2, 3, 3, 5, 17, 40, 40)] + [(700, False)])
     config = cr.CompilationConfig(cudagraph_capture_sizes=f"auto:{path}:3")
     planned = plan_sizes({1: 1, 2: 1, 3: 2, 5: 1, 17: 1, 40: 2}, 3)
-    assert config.capture_sizes() == planned == [5, 17, 40]
+    assert resolve_capture_sizes(config) == planned == [5, 17, 40]
     # The config stays a plain string: hashable, serialisable, round-trips.
     again = cr.CompilationConfig.model_validate_json(config.to_json())
     assert again.cudagraph_capture_sizes == f"auto:{path}:3"
     assert again.compute_hash() == config.compute_hash()
     # K defaults to the default ladder's count up to the largest step (here 40: 8 sizes).
     default_k = cr.CompilationConfig(cudagraph_capture_sizes=f"auto:{path}")
-    assert default_k.capture_sizes() == [1, 2, 3, 5, 17, 40]
+    assert resolve_capture_sizes(default_k) == [1, 2, 3, 5, 17, 40]
     # The runner's tokens per step cap the plan (the plan is redone under the cap).
-    assert default_k.capture_sizes(max_num_tokens=20) == [1, 2, 3, 5, 17]
+    assert resolve_capture_sizes(default_k, max_num_tokens=20) == [1, 2, 3, 5, 17]
     dispatcher = CudagraphDispatcher(config, max_num_tokens=256)
     dispatcher.initialize_keys(cr.CUDAGraphMode.PIECEWISE)
     assert [dispatcher.padded_size(n) for n in (1, 5, 6, 40, 41)] == [5, 5, 17, 40, None]
@@ -178,7 +179,7 @@ def test_bad_auto_specs_are_rejected_when_the_config_is_built(spec, match):
 def test_auto_with_a_missing_file_fails_at_start_up_naming_it(tmp_path):
     config = cr.CompilationConfig(cudagraph_capture_sizes=f"auto:{tmp_path}/none.json")
     with pytest.raises(ValueError, match="none.json.*does not exist.*record-workload"):
-        config.capture_sizes()
+        resolve_capture_sizes(config)
 
 
 # ---- CLI ----------------------------------------------------------------------------
@@ -224,7 +225,7 @@ def test_plan_sizes_cli_bad_arguments_exit_2(argv, capsys):
 
 
 def test_recorded_generation_plans_the_sizes_of_the_next_start(model_dirs, tmp_path):
-    from compile_runtime.runner.llm import LLM
+    from compile_runtime.engine.llm import LLM
     from compile_runtime.runner.sampling_params import SamplingParams
 
     model = model_dirs("llama")

@@ -18,10 +18,10 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.attention import Attention
+from compile_runtime.attention.layer import Attention
+from compile_runtime.engine.llm import LLM
 from compile_runtime.models.registry import load_model
 from compile_runtime.models.transformers_adapter import _attention
-from compile_runtime.runner.llm import LLM
 
 # A cap this small saturates tanh on the tiny model's logits: the tokens change with it.
 GEMMA2 = {"attn_logit_softcapping": 1.0}

@@ -7,13 +7,13 @@ import logging
 import pytest
 import torch
 from torch import nn
-from toy_models import build
 
 import compile_runtime as cr
+from compile_runtime.compiler.decorator import TracedArgumentError, attention_split, compiled_model
+from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
-from compile_runtime.cudagraph import CUDAGraphWrapper, use_graph_factory
-from compile_runtime.decorator import TracedArgumentError, attention_split
-from compile_runtime.split import SplittingOpError
+from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, use_graph_factory
+from compile_runtime.testing.toy import build
 
 counter = cr.compilation_counter
 EAGER = cr.CompilationConfig(backend="eager")
@@ -122,7 +122,7 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
         model = build(config)
         split = build(EAGER.model_copy(update={"splitting_ops": None}))
         assert attention_split(model) is None  # not traced yet
-        with caplog.at_level(logging.WARNING, logger="compile_runtime.backend"):
+        with caplog.at_level(logging.WARNING, logger="compile_runtime.compiler.graph_compiler"):
             with counter.expect(num_piecewise_graphs_seen=1):
                 assert torch.equal(model(torch.arange(5)), ref(torch.arange(5)))
         split(torch.arange(5))
@@ -132,7 +132,7 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
     wrapped = [
         v
         for m in (model, split)
-        for v in m._compile_runtime.backend.split_gm.__dict__.values()
+        for v in compiled_model(m).split_gm.__dict__.values()
         if isinstance(v, CUDAGraphWrapper)
     ]
     assert len(wrapped) == 4  # the split model's 4 static pieces, none of the unsplit one
@@ -157,7 +157,8 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
 @pytest.mark.cuda
 def test_runner_resolves_cudagraph_mode_from_the_split(model_dirs):
     """Before the trace the runner can only guess a split; after it, the split decides."""
-    from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
+    from compile_runtime.config import RunnerConfig
+    from compile_runtime.runner.model_runner import ModelRunner
 
     config = cr.CompilationConfig(
         backend="eager", splitting_ops=["aten::mm"], cudagraph_mode="PIECEWISE"

@@ -12,17 +12,13 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils._pytree import tree_leaves
 
 import compile_runtime as cr
-import compile_runtime.backend as backend_module
+import compile_runtime.compiler.graph_compiler as backend_module
 from compile_runtime.cli import main
-from compile_runtime.cudagraph import use_graph_factory
-from compile_runtime.testing import build_transformer
-from compile_runtime.verify import (
-    VerifyError,
-    check_model_dir,
-    compare,
-    tolerance_for,
-    verify_model,
-)
+from compile_runtime.cudagraph.wrapper import use_graph_factory
+from compile_runtime.testing.transformer import build_transformer
+from compile_runtime.verify.compare import VerifyError, compare, tolerance_for
+from compile_runtime.verify.model_dir import check_model_dir
+from compile_runtime.verify.verifier import verify_model
 
 # No piecewise graphs: these models stay on the CPU, and on a CUDA machine the pieces would
 # otherwise be wrapped and "captured" with no GPU work in them.

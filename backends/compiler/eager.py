@@ -7,7 +7,7 @@ from typing import Any
 import torch.fx
 from compile_runtime.backends.compiler.base import CompiledPiece, CompilerAdaptor
 
-from compile_runtime.counter import compilation_counter
+from compile_runtime.counters import compilation_counter
 
 
 class EagerAdaptor(CompilerAdaptor):

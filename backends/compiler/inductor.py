@@ -14,7 +14,7 @@ import torch
 import torch.fx
 from compile_runtime.backends.compiler.base import CompiledPiece, CompilerAdaptor
 
-from compile_runtime.counter import compilation_counter
+from compile_runtime.counters import compilation_counter
 
 logger = logging.getLogger(__name__)
 

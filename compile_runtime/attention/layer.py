@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from compile_runtime.attention.dense import dense_causal_attention
+from compile_runtime.attention.op import register_attention_layer
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.attention_op import register_attention_layer
+from compile_runtime.backends.attention.registry import get_attn_backend
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
 
 
@@ -64,9 +65,6 @@ class Attention(nn.Module):
             dtype=dtype or torch.get_default_dtype(),
             logits_soft_cap=logits_soft_cap,
         )
-        # Imported here: the backends import this package's metadata module.
-        from compile_runtime.backends.attention.registry import get_attn_backend
-
         self.attn_backend = get_attn_backend(backend, dtype=self.spec.dtype, head_size=head_size)
         self.impl = self.attn_backend.make_impl(self.spec)
         # [2, num_blocks, block_size, num_kv_heads, head_size]; see attention/kv_cache.py.

@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-from compile_runtime.cache import manage
+from compile_runtime.cache import archive, manage
 from compile_runtime.cache.location import cache_root, check_root
 from compile_runtime.table import format_table
 
@@ -175,8 +175,8 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     """Trace the model once under the config (compiling nothing) to get its key factors."""
     import torch
 
-    from compile_runtime.backend import key_only_tracing
     from compile_runtime.cache.key import compute_key
+    from compile_runtime.compiler.graph_compiler import key_only_tracing
     from compile_runtime.config import parse_config
     from compile_runtime.models.registry import load_model
 
@@ -233,13 +233,13 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    key = manage.export(args.root, args.key, args.output)
+    key = archive.export(args.root, args.key, args.output)
     _emit(args, {"key": key, "file": args.output}, f"exported {key} to {args.output}")
     return 0
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    key = manage.import_archive(args.root, args.file)
+    key = archive.import_archive(args.root, args.file)
     _emit(args, {"key": key}, f"imported {key} into {args.root}")
     return 0
 

@@ -40,7 +40,7 @@ from compile_runtime.cache.kernels import install as install_kernels
 from compile_runtime.cache.kernels import track_loaded_kernels
 from compile_runtime.cache.key import compute_key
 from compile_runtime.cache.location import check_root
-from compile_runtime.counter import compilation_counter
+from compile_runtime.counters import compilation_counter
 
 logger = logging.getLogger(__name__)
 

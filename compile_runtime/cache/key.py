@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from compile_runtime.config import CompilationConfig
+from compile_runtime.version import __version__
 
 KEY_LENGTH = 20
 
@@ -38,8 +39,6 @@ def device_kind(device: torch.device | str | None = None) -> str:
 
 
 def versions() -> dict[str, str]:
-    from compile_runtime import __version__
-
     try:
         import triton
 

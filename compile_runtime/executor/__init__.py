@@ -1,19 +1,108 @@
-"""Executors: how the engine reaches the model runner on every rank."""
+"""Executors: how the engine reaches the model runner on every rank.
 
-from compile_runtime.executor.base import (
-    BACKENDS,
-    EngineConfig,
-    Executor,
-    ExecutorError,
-    WorkerDiedError,
-    WorkerInfo,
-    executor_class,
-    make_executor,
-)
+``base.py`` is the interface; this file is the factory: ``make_executor`` checks the
+configuration once, before any worker starts, then starts the executor the backend names.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+
+from compile_runtime.config import ConfigError, EngineConfig
+from compile_runtime.distributed.sharding import TensorParallelConfigError, check_tensor_parallel
+from compile_runtime.executor.base import Executor, ExecutorError, WorkerDiedError, WorkerInfo
+from compile_runtime.executor.multiproc import MultiprocExecutor
+from compile_runtime.executor.ray_executor import RayExecutor, import_ray
+from compile_runtime.executor.uniproc import UniProcExecutor
+from compile_runtime.models.llama import ARCHITECTURES
+
+BACKENDS = ("uni", "mp", "ray")
+
+
+def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Executor]:
+    """The executor for ``distributed_executor_backend`` (None: "uni" on one rank, else "mp")."""
+    if backend is None:
+        backend = "uni" if tensor_parallel_size == 1 else "mp"
+    if backend not in BACKENDS:
+        raise ValueError(f"distributed_executor_backend={backend!r} is not one of {list(BACKENDS)}")
+    if backend == "uni":
+        if tensor_parallel_size != 1:
+            raise ValueError(
+                f"distributed_executor_backend='uni' runs one rank in this process; "
+                f"tensor_parallel_size={tensor_parallel_size} needs 'mp' or 'ray'"
+            )
+        return UniProcExecutor
+    if backend == "mp":
+        return MultiprocExecutor
+    import_ray()  # fails here, naming what to install, when ray is missing
+    return RayExecutor
+
+
+# Variables that steer compilation and the cache: workers see what the driver sees.
+FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
+
+
+def check_model(config: EngineConfig) -> None:
+    """Reject, before any worker starts, a model this configuration cannot run."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(config.model_dir)
+    config.runner_config.check_model(hf_config, config.model_dir)
+    check_model_for_tensor_parallel(config, hf_config)
+
+
+def check_model_for_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
+    """Reject a model that cannot run on ``tensor_parallel_size`` ranks."""
+    if config.tensor_parallel_size == 1:
+        return
+    if config.use_transformers or hf_config.model_type not in ARCHITECTURES:
+        raise TensorParallelConfigError(
+            f"tensor_parallel_size={config.tensor_parallel_size} needs a native model "
+            f"({sorted(ARCHITECTURES)}); {hf_config.model_type!r}"
+            f"{' through the transformers adapter' if config.use_transformers else ''} runs on "
+            "one rank only"
+        )
+    check_tensor_parallel(hf_config, config.tensor_parallel_size)
+
+
+def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
+    """Check the configuration, then start the executor (and through it every worker)."""
+    cls = executor_class(backend, config.tensor_parallel_size)
+    if cls.local_ranks:
+        check_device_available(config)
+    check_model(config)
+    if not config.worker_env:
+        config.worker_env = {
+            k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)
+        }
+    return cls(config)
+
+
+def check_device_available(config: EngineConfig) -> None:
+    """Reject, before start-up, a CUDA device this machine does not have (local ranks only)."""
+    if config.device is None or torch.device(config.device).type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
+        raise ConfigError(
+            f"EngineConfig.device={config.device!r}: CUDA is not available here (torch "
+            f"{torch.__version__}, a {build} build); use device='cpu' or leave device unset"
+        )
+    index = torch.device(config.device).index
+    last = index if index is not None else config.tensor_parallel_size - 1
+    if last >= torch.cuda.device_count():
+        raise ConfigError(
+            f"EngineConfig.device={config.device!r} with tensor_parallel_size="
+            f"{config.tensor_parallel_size} needs GPU {last}, but this machine has "
+            f"{torch.cuda.device_count()}; use a lower index or fewer ranks"
+        )
+
 
 __all__ = [
     "BACKENDS",
-    "EngineConfig",
     "Executor",
     "ExecutorError",
     "WorkerDiedError",

@@ -28,9 +28,9 @@ import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from compile_runtime.config import EngineConfig
 from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
 from compile_runtime.executor.base import (
-    EngineConfig,
     Executor,
     ExecutorError,
     WorkerDiedError,

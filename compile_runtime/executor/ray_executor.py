@@ -20,9 +20,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from compile_runtime.config import EngineConfig
 from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
 from compile_runtime.executor.base import (
-    EngineConfig,
     Executor,
     ExecutorError,
     WorkerDiedError,

@@ -5,8 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from compile_runtime.executor.base import EngineConfig, Executor
+from compile_runtime.config import EngineConfig
+from compile_runtime.executor.base import Executor
 from compile_runtime.executor.worker import Worker
+from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
@@ -21,23 +23,23 @@ class UniProcExecutor(Executor):
         self.worker = Worker(config, rank=0, world_size=1, init_method=None)
         self.workers_info = [self.worker.start()]
 
+        self._output: ModelRunnerOutput | None = None
+
     @property
-    def driver_runner(self):
+    def driver_runner(self) -> ModelRunner:
         return self.worker.runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self.worker.runner.execute_model(scheduler_output)
+        self._output = self.worker.step(scheduler_output)
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        return self.worker.runner.sample_tokens()
+        output, self._output = self._output, None
+        return output
 
     def collective_rpc(
         self, method: str, args: Sequence[Any] = (), ranks: Sequence[int] | None = None
     ) -> list[Any]:
         return [getattr(self.worker, method)(*args) for _ in (ranks if ranks is not None else [0])]
-
-    def workload(self):
-        return self.worker.runner.workload
 
     def shutdown(self) -> None:
         pass

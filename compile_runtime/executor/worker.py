@@ -14,6 +14,7 @@ failure, after which the worker exits.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -26,10 +27,19 @@ from typing import Any
 
 import torch
 
-from compile_runtime.executor.base import EngineConfig, WorkerInfo, counter_snapshot
+from compile_runtime.config import EngineConfig
+from compile_runtime.counters import compilation_counter
+from compile_runtime.distributed import default_backend, init_distributed
+from compile_runtime.executor.base import WorkerInfo
+from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+def counter_snapshot() -> dict[str, int]:
+    """This process's compilation counters (a worker reports what its start-up did)."""
+    return dataclasses.asdict(compilation_counter)
 
 
 class InjectedFault(RuntimeError):
@@ -63,9 +73,6 @@ class Worker:
 
     def start(self) -> WorkerInfo:
         """Join the group, load this rank's weights, compile, size the KV cache, capture."""
-        from compile_runtime.distributed import default_backend, init_distributed
-        from compile_runtime.runner.model_runner import ModelRunner
-
         before = counter_snapshot()
         device = self.device()
         if torch.device(device).index is not None:

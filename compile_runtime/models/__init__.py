@@ -1,1 +1,2 @@
-"""Native model implementations and the transformers adapter."""
+"""Models: what the runner needs of one (``interface``), the native Llama family (``llama``,
+``loader``), the transformers adapter, and ``registry.load_model`` that picks between them."""

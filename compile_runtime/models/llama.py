@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 import compile_runtime as cr
-from compile_runtime.attention import Attention
+from compile_runtime.attention.layer import Attention
 from compile_runtime.distributed import (
     MergedColumnParallelLinear,
     ParallelLMHead,

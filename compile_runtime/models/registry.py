@@ -8,8 +8,13 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+from transformers import AutoConfig
 
 from compile_runtime.config import CompilationConfig, set_compilation_config
+from compile_runtime.distributed.parallel_state import get_tp_world_size
+from compile_runtime.models.llama import ARCHITECTURES, CausalLM
+from compile_runtime.models.loader import NativeUnsupported
+from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
 
 logger = logging.getLogger(__name__)
@@ -36,7 +41,8 @@ def load_model(
     use_transformers: bool = False,
     cpu_pack_weights: bool = True,
 ) -> nn.Module:
-    """The model in ``model_dir`` with its weights, built under ``compilation_config``.
+    """The model in ``model_dir`` (a ``CausalLanguageModel``) with its weights, built under
+    ``compilation_config``.
 
     Llama-family architectures use our native implementation; anything else
     (or ``use_transformers=True``) goes through the transformers adapter, and
@@ -46,12 +52,6 @@ def load_model(
     changes the traced graph, so everything that traces a model for the cache
     key loads it here).
     """
-    from transformers import AutoConfig
-
-    from compile_runtime.distributed.parallel_state import get_tp_world_size
-    from compile_runtime.models.llama import ARCHITECTURES, CausalLM
-    from compile_runtime.models.loader import NativeUnsupported
-
     hf_config = AutoConfig.from_pretrained(model_dir)
     device = torch.device(device)
     native = hf_config.model_type in ARCHITECTURES and not use_transformers
@@ -77,8 +77,6 @@ def load_model(
             else:
                 model.load_weights(model_dir)
         if not native:
-            from compile_runtime.models.transformers_adapter import TransformersCausalLM
-
             model = TransformersCausalLM(model_dir, hf_config, dtype)
     if device.type == "cpu" and cpu_pack_weights:
         pack_linear_weights(model)

@@ -1,9 +1,8 @@
-"""``compile-runtime plan-sizes`` and ``compile-runtime check``.
+"""``compile-runtime plan-sizes``.
 
     compile-runtime plan-sizes --workload FILE --max-graphs K [--max-size N] [--json]
-    compile-runtime check --model DIR [-O JSON] [--tokens N] [--dtype D] [--json]
 
-``register(sub)`` adds both to the top-level parser (compile_runtime/cli.py).
+``register(sub)`` adds it to the top-level parser (compile_runtime/cli.py).
 """
 
 from __future__ import annotations
@@ -12,37 +11,15 @@ import argparse
 import json
 from typing import Any
 
-from compile_runtime.config import DEFAULT_MAX_CAPTURE_SIZE
+from compile_runtime.argtypes import positive_int
+from compile_runtime.planner.sizes import DEFAULT_MAX_CAPTURE_SIZE, plan_report
+from compile_runtime.planner.workload import load_workload
 from compile_runtime.table import format_table
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not >= 1")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} is negative")
-    return value
-
 
 # ---- plan-sizes ---------------------------------------------------------------
 
 
 def cmd_plan_sizes(args: argparse.Namespace) -> int:
-    from compile_runtime.planner.sizes import plan_report
-    from compile_runtime.planner.workload import load_workload
-
     workload = load_workload(args.workload)
     histogram = workload.combined()
     report = plan_report(histogram, args.max_graphs, args.max_size)
@@ -105,33 +82,6 @@ def cmd_plan_sizes(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- check ---------------------------------------------------------------------
-
-
-def cmd_check(args: argparse.Namespace) -> int:
-    import torch
-
-    from compile_runtime.config import parse_config
-    from compile_runtime.verify import check_model_dir
-
-    report = check_model_dir(
-        args.model,
-        parse_config(args.compilation_config),
-        num_tokens=args.tokens,
-        dtype=getattr(torch, args.dtype),
-        device=args.device,
-        seed=args.seed,
-        atol=args.atol,
-        rtol=args.rtol,
-        use_transformers=args.use_transformers,
-    )
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=1))
-    else:
-        print(report.format())
-    return 0 if report.ok else 1
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     plan = sub.add_parser(
         "plan-sizes",
@@ -146,35 +96,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--workload", required=True, metavar="FILE", help="generate --record-workload output"
     )
     plan.add_argument(
-        "--max-graphs", required=True, type=_positive_int, metavar="K", help="number of sizes"
+        "--max-graphs", required=True, type=positive_int, metavar="K", help="number of sizes"
     )
     plan.add_argument(
         "--max-size",
-        type=_positive_int,
+        type=positive_int,
         default=DEFAULT_MAX_CAPTURE_SIZE,
         metavar="N",
         help=f"no size above N tokens (default {DEFAULT_MAX_CAPTURE_SIZE}, the default ladder's top)",
     )
     plan.add_argument("--json", action="store_true", help="machine-readable output")
     plan.set_defaults(func=cmd_plan_sizes)
-
-    check = sub.add_parser(
-        "check",
-        help="verify a compiled model piece by piece against eager",
-        description=(
-            "Run one batch through the compiled model and, piece by piece, through each piece's "
-            "eager FX graph with the same inputs; print the error of every piece and the first "
-            "one over the tolerance. Exit status 1 when a piece fails."
-        ),
-    )
-    check.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
-    check.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
-    check.add_argument("--tokens", type=_positive_int, default=16, help="tokens in the batch")
-    check.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    check.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--atol", type=_positive_float, default=None, help="default: per dtype")
-    check.add_argument("--rtol", type=_positive_float, default=None, help="default: per dtype")
-    check.add_argument("--use-transformers", action="store_true", help="run through the adapter")
-    check.add_argument("--json", action="store_true", help="machine-readable output")
-    check.set_defaults(func=cmd_check)

@@ -37,7 +37,14 @@ import bisect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
-from compile_runtime.config import DEFAULT_MAX_CAPTURE_SIZE, default_capture_sizes
+# The default ladder: dense where decode batches are, coarser above.
+DEFAULT_MAX_CAPTURE_SIZE = 512
+
+
+def default_capture_sizes(max_size: int) -> list[int]:
+    """1, 2, 4, then 8..248 step 8, then 256.. step 16, up to ``max_size``."""
+    ladder = [1, 2, 4] + list(range(8, 256, 8)) + list(range(256, max_size + 1, 16))
+    return [s for s in ladder if s <= max_size]
 
 
 def _points(histogram: Mapping[int, int], max_size: int | None) -> tuple[list[int], list[int]]:

@@ -1,6 +1,9 @@
-"""Load a recorded step-size histogram (``generate --record-workload``, ``LLM.save_workload``).
+"""The step-size histogram of a run: what the capture-size planner learns from.
 
-The file is what ``compile_runtime.runner.workload.WorkloadRecorder`` writes::
+The runner records one dict increment per step (``Workload.record``); ``save`` writes
+the file that ``compile-runtime plan-sizes --workload FILE`` and
+``cudagraph_capture_sizes="auto:FILE"`` read (``generate --record-workload``,
+``LLM.save_workload``)::
 
     {"version": 1, "mixed": {"37": 2, ...}, "decode": {"1": 40, "4": 12, ...}}
 
@@ -39,6 +42,20 @@ class Workload:
     def combined(self) -> Counter[int]:
         """Both kinds together: what one list of capture sizes has to serve."""
         return self.mixed + self.decode
+
+    def record(self, num_tokens: int, uniform_decode: bool) -> None:
+        (self.decode if uniform_decode else self.mixed)[num_tokens] += 1
+
+    def to_dict(self) -> dict:
+        return {
+            "version": 1,
+            "mixed": {str(k): v for k, v in sorted(self.mixed.items())},
+            "decode": {str(k): v for k, v in sorted(self.decode.items())},
+        }
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
 
     @property
     def num_steps(self) -> int:

@@ -1,1 +1,2 @@
-"""Model runner: persistent batch, paged KV cache, block table, scheduler, sampler."""
+"""The model runner and what feeds it: scheduler, requests and blocks, persistent batch,
+block table, sampler."""

@@ -2,7 +2,8 @@
 
 A persistent host array ``[max_num_reqs, max_blocks_per_req]`` edited in place
 as requests come, grow and go; each step gathers the rows of the scheduled
-requests and commits them to the device in one copy.
+requests into a (pinned) staging tensor. The device copy belongs to the attention
+metadata builder, which keeps it at a fixed address for CUDA graphs.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ class BlockTable:
         pin = device.type == "cuda"
         self._staging = torch.zeros(
             (max_num_reqs, max_blocks_per_req), dtype=torch.int32, pin_memory=pin
-        )
-        self.device_table = torch.zeros(
-            (max_num_reqs, max_blocks_per_req), dtype=torch.int32, device=device
         )
 
     def add_row(self, row: int, block_ids: list[int]) -> None:
@@ -47,16 +45,8 @@ class BlockTable:
     def clear_row(self, row: int) -> None:
         self.num_blocks[row] = 0
 
-    def slot_mapping(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Cache slot of each token: ``rows[i]``'s block for ``positions[i]``, plus the offset."""
-        blocks = self.table[rows, positions // self.block_size].astype(np.int64)
-        return blocks * self.block_size + positions % self.block_size
-
-    def commit(self, rows: np.ndarray) -> torch.Tensor:
-        """Device block table of this step: the given rows, in order, in one host-to-device copy."""
-        n = len(rows)
-        staging = self._staging[:n]
+    def gather(self, rows: np.ndarray) -> torch.Tensor:
+        """This step's block table on the host: the given rows, in order."""
+        staging = self._staging[: len(rows)]
         staging.numpy()[:] = self.table[rows]
-        out = self.device_table[:n]
-        out.copy_(staging, non_blocking=True)
-        return out
+        return staging

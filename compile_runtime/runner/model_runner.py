@@ -18,27 +18,28 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from compile_runtime.attention.kv_cache import (
     allocate_kv_cache,
     bind_kv_cache,
+    compute_slot_mapping,
     kv_cache_bytes_per_block,
 )
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.backends.attention.registry import min_cg_support
-from compile_runtime.capture import CaptureInputs, CaptureReport, capture
-from compile_runtime.config import CompilationConfig, CUDAGraphMode
-from compile_runtime.cudagraph import wrap_full_model
-from compile_runtime.decorator import attention_split
-from compile_runtime.dispatcher import CudagraphDispatcher
+from compile_runtime.compiler.decorator import attention_split
+from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
+from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.wrapper import wrap_full_model
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
+from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
+from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.sampler import Sampler
@@ -47,93 +48,8 @@ from compile_runtime.runner.sampling_metadata import (
     SamplingMetadata,
 )
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from compile_runtime.runner.workload import WorkloadRecorder
 
 logger = logging.getLogger(__name__)
-
-
-class ConfigError(ValueError):
-    """A configuration value no engine can run with: one line per bad field, each with the fix."""
-
-
-class CheckedConfig(BaseModel):
-    """Base of the engine's configs: unknown fields are rejected and every validation error
-    becomes one ``ConfigError`` line, ``Class.field=value: what is wrong (what the field is)``,
-    both at construction and on assignment."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    def __init__(self, **data: Any) -> None:
-        try:
-            super().__init__(**data)
-        except ValidationError as e:
-            raise ConfigError(self._one_line_per_field(e)) from None
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise ConfigError(self._one_line_per_field(e)) from None
-
-    @classmethod
-    def _one_line_per_field(cls, error: ValidationError) -> str:
-        lines = []
-        for err in error.errors():
-            name = ".".join(str(part) for part in err["loc"])
-            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
-            if err["type"] == "extra_forbidden":
-                lines.append(
-                    f"{cls.__name__}.{name}: unknown field; the fields are "
-                    f"{', '.join(cls.model_fields)}"
-                )
-                continue
-            message = err["msg"].removeprefix("Value error, ")
-            hint = f" ({field.description})" if field is not None and field.description else ""
-            lines.append(f"{cls.__name__}.{name}={err['input']!r}: {message}{hint}")
-        return "\n".join(lines)
-
-
-class RunnerConfig(CheckedConfig):
-    """Sizes of the runner's batch and KV cache (the same on every rank)."""
-
-    max_num_seqs: int = Field(16, ge=1, description="requests in one step, e.g. 16")
-    max_num_batched_tokens: int = Field(
-        256, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 256"
-    )
-    max_model_len: int = Field(
-        512,
-        ge=1,
-        description="prompt + output tokens of one request; at most the model's "
-        "max_position_embeddings",
-    )
-    block_size: int = Field(16, ge=1, description="tokens per KV cache block, e.g. 16")
-    # CPU: the KV cache's byte budget. CUDA: fraction of device memory to use.
-    kv_cache_bytes: int = Field(
-        64 * 2**20, ge=1, description="bytes of KV cache on a CPU, e.g. 64 MiB = 67108864"
-    )
-    gpu_memory_utilization: float = Field(
-        0.85, gt=0.0, le=1.0, description="fraction of GPU memory this engine may use, e.g. 0.85"
-    )
-    num_gpu_blocks_override: int | None = Field(
-        None, ge=2, description="KV cache blocks, block 0 reserved; None sizes the cache"
-    )
-    # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
-    # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
-    cpu_pack_weights: bool = True
-    # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
-    num_threads: int | None = Field(
-        None, ge=1, description="CPU threads of each rank; None uses the free cores"
-    )
-
-    def check_model(self, hf_config: Any, model_dir: str) -> None:
-        """Reject a max_model_len past the positions the model has (its rotary table ends there)."""
-        max_positions = getattr(hf_config, "max_position_embeddings", None)
-        if max_positions is not None and self.max_model_len > max_positions:
-            raise ConfigError(
-                f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
-                f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "
-                f"max_model_len to at most {max_positions}"
-            )
 
 
 @dataclass
@@ -170,7 +86,7 @@ class ModelRunner:
             self.num_threads = resolve_num_threads(self.config.num_threads, self.tp_size)
             torch.set_num_threads(self.num_threads)
         start = time.perf_counter()
-        self.model = load_model(
+        self.model: CausalLanguageModel = load_model(
             model_dir,
             compilation_config,
             dtype=dtype,
@@ -204,11 +120,11 @@ class ModelRunner:
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
         self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
-        self.forward_model = self.model.model if hasattr(self.model, "model") else self.model
+        self.forward_model = self.model.model
         if self.resolved.cudagraph_mode.has_full_cudagraphs():
             self.forward_model = wrap_full_model(self.forward_model, compilation_config)
         self.sampler = Sampler()
-        self.workload = WorkloadRecorder()
+        self.workload = Workload()
         self.execute_state: ExecuteModelState | None = None
         self.num_blocks = 0
         self.compile_seconds = 0.0
@@ -354,7 +270,12 @@ class ModelRunner:
         positions = computed[req_index] + offsets
         token_rows = rows[req_index]
         token_ids = batch.token_ids[token_rows, positions]
-        slots = batch.block_table.slot_mapping(token_rows, positions)
+        slots = compute_slot_mapping(
+            torch.from_numpy(batch.block_table.table),
+            torch.from_numpy(token_rows),
+            torch.from_numpy(positions),
+            batch.block_table.block_size,
+        )
         seq_lens = computed + num_sched
         uniform_decode = bool((num_sched == 1).all())
         self.workload.record(total, uniform_decode)
@@ -363,7 +284,7 @@ class ModelRunner:
         padded = descriptor.num_tokens
         self.input_ids[:total].copy_(torch.from_numpy(token_ids))
         self.positions[:total].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:total].copy_(torch.from_numpy(slots))
+        self.slot_mapping[:total].copy_(slots)
         if padded > total:
             self.input_ids[total:padded].zero_()
             self.positions[total:padded].zero_()
@@ -373,7 +294,7 @@ class ModelRunner:
         metadata = self.metadata_builder.build(
             qsl,
             torch.from_numpy(seq_lens.astype(np.int32)),
-            batch.block_table.commit(rows),
+            batch.block_table.gather(rows),
             self.slot_mapping[:padded],
             total,
             num_padded_tokens=padded,

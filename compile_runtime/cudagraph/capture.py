@@ -19,9 +19,9 @@ import torch
 from tqdm import tqdm
 
 from compile_runtime.config import CUDAGraphMode
-from compile_runtime.counter import compilation_counter
-from compile_runtime.cudagraph import CUDAGraphCaptureError, cudagraph_capturing_enabled
-from compile_runtime.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.counters import compilation_counter
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
 from compile_runtime.forward_context import set_forward_context
 
 logger = logging.getLogger(__name__)

@@ -31,16 +31,19 @@ import sys
 import types
 import typing
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
 import torch.fx.experimental._config as fx_config
 
-from compile_runtime.backend import CompilerBackend
 from compile_runtime.cache.location import CacheError
+from compile_runtime.compiler.graph_compiler import CompileResult, GraphCompiler
+from compile_runtime.compiler.piecewise import PiecewiseRuntime
+from compile_runtime.compiler.split import Piece, SplittingOpError
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
-from compile_runtime.counter import compilation_counter
-from compile_runtime.split import SplittingOpError
+from compile_runtime.counters import compilation_counter
+from compile_runtime.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -136,6 +139,47 @@ def compile(
     return decorate(cls) if cls is not None else decorate
 
 
+@dataclass(frozen=True)
+class CompiledModel:
+    """What compiling one model produced: the contract for readers outside the compiler
+    (``verify``, benchmarks, tests), so that none of them reaches into the compiler."""
+
+    config: CompilationConfig
+    split_gm: torch.fx.GraphModule  # the split graph; its static pieces replaced
+    pieces: list[Piece]  # every piece with its FX graph before compilation
+    runtimes: list[PiecewiseRuntime]  # one per static piece, in order
+    result: CompileResult  # what happened to each piece, and how long it took
+    splitting_ops: list[str]
+    pass_manager: PassManager
+
+
+def compiled_model(module: torch.nn.Module) -> CompiledModel | None:
+    """The compile record of ``module`` (decorated with ``@compile`` and traced), else None."""
+    compiled = module.__dict__.get("_compile_runtime")
+    graph_compiler = getattr(compiled, "graph_compiler", None)
+    if graph_compiler is None or graph_compiler.split_gm is None:
+        return None
+    return CompiledModel(
+        config=graph_compiler.config,
+        split_gm=graph_compiler.split_gm,
+        pieces=graph_compiler.pieces,
+        runtimes=graph_compiler.runtimes,
+        result=graph_compiler.result,
+        splitting_ops=graph_compiler.splitting_ops,
+        pass_manager=graph_compiler.pass_manager,
+    )
+
+
+def find_compiled_module(model: torch.nn.Module) -> torch.nn.Module | None:
+    """``model`` or the first submodule that ``@compile`` compiles; None if there is none."""
+    return next((m for m in model.modules() if m.__dict__.get("_compile_runtime")), None)
+
+
+def is_traced(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s compiled forward has run (and so traced) at least once."""
+    return bool(getattr(module.__dict__.get("_compile_runtime"), "traced", False))
+
+
 def attention_split(model: torch.nn.Module) -> bool | None:
     """Whether a compiled forward in ``model`` was split at a splitting op.
 
@@ -144,11 +188,9 @@ def attention_split(model: torch.nn.Module) -> bool | None:
     took attention out of the pieces. None when nothing in ``model`` is traced.
     """
     splits = [
-        compiled.backend.attention_split
+        any(p.is_splitting_op for p in record.pieces)
         for module in model.modules()
-        if (compiled := module.__dict__.get("_compile_runtime")) is not None
-        and compiled.backend is not None
-        and compiled.backend.attention_split is not None
+        if (record := compiled_model(module)) is not None
     ]
     return any(splits) if splits else None
 
@@ -185,21 +227,21 @@ class CompiledForward:
         # or a tensor at the trace: the trace took its None-or-not branch for good.
         self.none_pattern: tuple[tuple[str, int, Any, bool], ...] = ()
         if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
-            self.backend = None
+            self.graph_compiler = None
             self.compiled = torch.compile(model.forward, backend=config.backend)
         else:
-            self.backend = CompilerBackend(config, model_tag=self.model_name)
+            self.graph_compiler = GraphCompiler(config, model_tag=self.model_name)
             self.forward = _private_forward(model)
             self.compiled = torch.compile(
                 self.forward,
-                backend=self.backend,
+                backend=self.graph_compiler,
                 fullgraph=True,
                 dynamic=False,
                 options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
             )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.backend is None:  # stock torch.compile: Dynamo decides
+        if self.graph_compiler is None:  # stock torch.compile: Dynamo decides
             return self.compiled(*args, **kwargs)
         if self.direct is None and not self.traced:
             return self._first_call(*args, **kwargs)

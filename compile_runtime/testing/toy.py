@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.attention_op import register_attention_layer
+from compile_runtime.attention.op import register_attention_layer
 
 
 class SumAttention(nn.Module):

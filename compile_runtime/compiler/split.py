@@ -17,7 +17,7 @@ import torch
 import torch.fx
 from torch.fx.passes.split_module import split_module
 
-from compile_runtime.attention_op import (
+from compile_runtime.attention.op import (
     ATTENTION_OP_NAME,
     call_attention_layer,
     default_splitting_ops,

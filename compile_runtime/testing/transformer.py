@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.attention_op import register_attention_layer
+from compile_runtime.attention.op import register_attention_layer
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ into ``output`` and returns nothing, so it is opaque to Dynamo and Inductor
 (one node in the graph, easy to split at) and has fixed-address outputs
 (capturable in a CUDA graph when the backend allows). The op finds the layer
 object by name in a process-wide registry; the layer does the real work
-(``compile_runtime.attention.Attention``: reads the step's metadata from the
+(``compile_runtime.attention.layer.Attention``: reads the step's metadata from the
 forward context, writes keys/values into its paged cache, runs its backend).
 The fake implementation does nothing: the output buffer already has the
 right shape, so tracing needs no metadata, cache or backend.

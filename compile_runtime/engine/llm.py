@@ -22,14 +22,16 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from tqdm import tqdm
+from transformers import AutoConfig
 
-from compile_runtime.config import CompilationConfig, parse_config
-from compile_runtime.executor import EngineConfig, Executor, ExecutorError, make_executor
+from compile_runtime.config import CompilationConfig, EngineConfig, RunnerConfig, parse_config
+from compile_runtime.executor import Executor, ExecutorError, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
-from compile_runtime.runner.model_runner import ModelRunner, RunnerConfig
+from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
@@ -81,20 +83,11 @@ class LLM:
         compilation_config: CompilationConfig | dict | str | None = None,
         *,
         dtype: str | torch.dtype = "float32",
-        device: str | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 256,
-        max_model_len: int = 512,
-        block_size: int = 16,
-        kv_cache_bytes: int = 64 * 2**20,
-        gpu_memory_utilization: float = 0.85,
-        num_gpu_blocks_override: int | None = None,
-        use_transformers: bool = False,
-        tensor_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
-        num_threads: int | None = None,
-        cpu_pack_weights: bool = True,
+        **options: Any,
     ):
+        """``options``: fields of ``RunnerConfig`` (max_num_seqs, block_size, ...) and of
+        ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name."""
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         if isinstance(dtype, str):
@@ -102,43 +95,31 @@ class LLM:
                 raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
         self.compilation_config = parse_config(compilation_config)
-        self.runner_config = runner_config = RunnerConfig(
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            kv_cache_bytes=kv_cache_bytes,
-            gpu_memory_utilization=gpu_memory_utilization,
-            num_gpu_blocks_override=num_gpu_blocks_override,
-            cpu_pack_weights=cpu_pack_weights,
-            num_threads=num_threads,
-        )
+        runner_options = {
+            k: options.pop(k) for k in list(options) if k in RunnerConfig.model_fields
+        }
+        self.runner_config = runner_config = RunnerConfig(**runner_options)
         engine_config = EngineConfig(
             model_dir=model_dir,
             compilation_config=self.compilation_config,
             runner_config=runner_config,
             dtype=dtype,
-            device=device,
-            use_transformers=use_transformers,
-            tensor_parallel_size=tensor_parallel_size,
+            **options,
         )
         # Chosen here, once (after the checks above), not by each worker: starting workers
         # would count each other as busy cores.
-        runner_config.num_threads = _cpu_threads(device, num_threads, tensor_parallel_size)
+        runner_config.num_threads = _cpu_threads(
+            engine_config.device, runner_config.num_threads, engine_config.tensor_parallel_size
+        )
         self.executor: Executor = make_executor(engine_config, distributed_executor_backend)
         self.tokenizer = _load_tokenizer(model_dir)
-        if hasattr(self.executor, "driver_runner"):
-            hf_config = getattr(self.runner.model, "config", None)
-        else:
-            from transformers import AutoConfig
-
-            hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = AutoConfig.from_pretrained(model_dir)
         self.scheduler = Scheduler(
             num_blocks=self.executor.num_blocks,
-            block_size=block_size,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
+            block_size=runner_config.block_size,
+            max_num_seqs=runner_config.max_num_seqs,
+            max_num_batched_tokens=runner_config.max_num_batched_tokens,
+            max_model_len=runner_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
         )
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
@@ -148,7 +129,7 @@ class LLM:
     @property
     def runner(self) -> ModelRunner:
         """The model runner, when it lives in this process (one rank, the default executor)."""
-        runner = getattr(self.executor, "driver_runner", None)
+        runner = self.executor.driver_runner
         if runner is None:
             raise AttributeError(
                 f"{type(self.executor).__name__} runs its model runners in worker processes; "

@@ -1,8 +1,8 @@
-"""``CompilationConfig(cudagraph_capture_sizes="auto:FILE[:K]")``: a plan applied at start-up.
+"""The capture sizes a config asks for, resolved when the dispatcher is built.
 
-The config keeps the string (it stays hashable and serialisable);
-``CompilationConfig.capture_sizes()`` calls ``resolve_auto_sizes`` when the
-dispatcher is built, which reads the workload file and plans the sizes.
+``cudagraph_capture_sizes`` is a list (used as is), None (the default ladder up to
+``max_cudagraph_capture_size``, default 512) or ``"auto:FILE[:K]"``: a plan made here,
+at start-up, from a recorded workload:
 
 * ``FILE``: a workload histogram (``generate --record-workload FILE``,
   ``LLM.save_workload(FILE)``), relative to the working directory.
@@ -13,48 +13,44 @@ dispatcher is built, which reads the workload file and plans the sizes.
   of ``max_cudagraph_capture_size`` (default 512, the default ladder's top)
   and the runner's tokens per step. Larger steps run without a graph.
 
-The file's contents change which graphs are captured, never compiled code,
-so the compile cache key holds the spec string, not the file's contents.
+The config keeps the spec string (hashable, serialisable; ``config.py`` only checks its
+form). The file's contents change which graphs are captured, never compiled code, so the
+compile cache key holds the spec string, not the file's contents.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
-from compile_runtime.planner.sizes import default_num_graphs, plan_report
+from compile_runtime.config import CompilationConfig, parse_auto_spec
+from compile_runtime.planner.sizes import (
+    DEFAULT_MAX_CAPTURE_SIZE,
+    default_capture_sizes,
+    default_num_graphs,
+    plan_report,
+)
 from compile_runtime.planner.workload import load_workload
 
 logger = logging.getLogger(__name__)
 
-AUTO_PREFIX = "auto:"
 
-
-@dataclass(frozen=True)
-class AutoSpec:
-    path: str
-    max_graphs: int | None  # None: as many as the default ladder needs
-
-
-def parse_auto_spec(spec: str) -> AutoSpec:
-    """``"auto:FILE"`` or ``"auto:FILE:K"``; anything else is an error that shows the forms."""
-    forms = (
-        "use a list of sizes, or 'auto:FILE' / 'auto:FILE:K' to plan K sizes from a workload "
-        "file (compile-runtime generate --record-workload FILE)"
-    )
-    if not spec.startswith(AUTO_PREFIX):
-        raise ValueError(f"cudagraph_capture_sizes={spec!r} is not understood; {forms}")
-    rest = spec[len(AUTO_PREFIX) :]
-    path, k = rest, None
-    head, sep, tail = rest.rpartition(":")
-    if sep and tail.strip().lstrip("+-").isdigit():
-        path, k = head, int(tail)
-        if k < 1:
-            raise ValueError(f"cudagraph_capture_sizes={spec!r}: K must be >= 1, got {k}; {forms}")
-    if not path:
-        raise ValueError(f"cudagraph_capture_sizes={spec!r} names no file; {forms}")
-    return AutoSpec(path, k)
+def resolve_capture_sizes(
+    config: CompilationConfig, max_num_tokens: int | None = None
+) -> list[int]:
+    """The CUDA graph sizes ``config`` asks for, bounded by the runner's tokens per step if known."""
+    requested = config.cudagraph_capture_sizes
+    if isinstance(requested, str):
+        cap = config.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE
+        cap = min(cap, max_num_tokens) if max_num_tokens is not None else cap
+        sizes = resolve_auto_sizes(requested, cap)
+    elif requested is not None:
+        sizes = list(requested)
+    else:
+        sizes = default_capture_sizes(config.max_cudagraph_capture_size or DEFAULT_MAX_CAPTURE_SIZE)
+    if max_num_tokens is not None:
+        sizes = [s for s in sizes if s <= max_num_tokens]
+    return sizes
 
 
 _resolved: dict[tuple, list[int]] = {}

@@ -1,4 +1,5 @@
-"""The torch.compile backend: passes -> split at attention -> compile each piece.
+"""The graph compiler (our torch.compile backend): passes -> split at attention -> compile
+each piece.
 
 One instance per compiled model. Dynamo hands it the whole forward as one FX
 graph; it returns the split graph with every static piece replaced by a
@@ -20,23 +21,23 @@ import torch
 import torch.fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from compile_runtime.attention_op import default_splitting_ops
+from compile_runtime.attention.op import default_splitting_ops
 from compile_runtime.backends.compiler import make_adaptor
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import key_factors, source_digests
 from compile_runtime.cache.location import cache_root
-from compile_runtime.config import CompilationConfig, CompilationMode
-from compile_runtime.counter import compilation_counter
-from compile_runtime.cudagraph import wrap_piece
-from compile_runtime.graph_hash import piece_hash
-from compile_runtime.passes.manager import PassManager
-from compile_runtime.piecewise import PiecewiseRuntime, find_size_locator
-from compile_runtime.split import (
+from compile_runtime.compiler.graph_hash import piece_hash
+from compile_runtime.compiler.piecewise import PiecewiseRuntime, find_size_locator
+from compile_runtime.compiler.split import (
     Piece,
     check_splitting_ops,
     direct_splitting_piece,
     split_graph,
 )
+from compile_runtime.config import CompilationConfig, CompilationMode
+from compile_runtime.counters import compilation_counter
+from compile_runtime.cudagraph.wrapper import wrap_piece
+from compile_runtime.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ def concrete_inputs(example_inputs: list[Any], size: int) -> list[Any]:
 
 @dataclass
 class PieceRecord:
-    """What the backend did for one piece (for logs, dumps and the cache)."""
+    """What the compiler did for one piece (for logs, dumps and the cache)."""
 
     index: int
     name: str
@@ -108,8 +109,8 @@ def key_only_tracing() -> Iterator[list[dict[str, Any]]]:
 _key_only_seen: list[list[dict[str, Any]]] = []
 
 
-class CompilerBackend:
-    """Callable handed to ``torch.compile(backend=...)``."""
+class GraphCompiler:
+    """The callable handed to ``torch.compile(backend=...)``: passes, split, compile each piece."""
 
     def __init__(self, config: CompilationConfig, model_tag: str = "model"):
         self.config = config
@@ -131,13 +132,6 @@ class CompilerBackend:
         if self.config.splitting_ops is None:
             return default_splitting_ops()
         return list(self.config.splitting_ops)
-
-    @property
-    def attention_split(self) -> bool | None:
-        """Whether the split produced splitting-op pieces; None before the trace."""
-        if self.split_gm is None:
-            return None
-        return any(p.is_splitting_op for p in self.pieces)
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         compilation_counter.num_graphs_seen += 1
@@ -169,7 +163,7 @@ class CompilerBackend:
                 "%s: splitting_ops %s match no op in the graph, so it is one piece with any "
                 "attention inside and gets no piecewise CUDA graphs (the model runner resolves "
                 "cudagraph_mode without them; elsewhere pass attention_split="
-                "compile_runtime.decorator.attention_split(model) to CompilationConfig.resolve)",
+                "compile_runtime.compiler.decorator.attention_split(model) to CompilationConfig.resolve)",
                 self.model_tag,
                 self.splitting_ops,
             )
@@ -297,11 +291,11 @@ class _PieceCompiler(torch.fx.Interpreter):
     """Runs the split graph on fake inputs, compiling each static piece on the way."""
 
     def __init__(
-        self, split_gm: torch.fx.GraphModule, pieces: list[Piece], backend: CompilerBackend
+        self, split_gm: torch.fx.GraphModule, pieces: list[Piece], compiler: GraphCompiler
     ):
         super().__init__(split_gm)
         self.pieces = {p.name: p for p in pieces}
-        self.backend = backend
+        self.compiler = compiler
         self.compiled: dict[str, tuple[int, dict[int | None, Callable[..., Any]]]] = {}
         self.runtimes: dict[str, PiecewiseRuntime] = {}
         self.records: list[PieceRecord] = []
@@ -316,7 +310,7 @@ class _PieceCompiler(torch.fx.Interpreter):
 
         args_list = list(args)
         record.piece_hash = key = piece_hash(piece.graph, args_list)
-        if not self.backend.config.dedupe_pieces:
+        if not self.compiler.config.dedupe_pieces:
             key = f"{key}:{piece.index}"
         if key in self.compiled:
             record.shared_with, by_size = self.compiled[key]
@@ -328,7 +322,7 @@ class _PieceCompiler(torch.fx.Interpreter):
             logger.info(
                 "compiled piece %d (%s, hash %s) for %d size(s) in %.2f s",
                 piece.index,
-                self.backend.adaptor.name,
+                self.compiler.adaptor.name,
                 key,
                 len(by_size),
                 record.compile_seconds,
@@ -348,26 +342,26 @@ class _PieceCompiler(torch.fx.Interpreter):
         """The piece's callables: the general one and one per compile size."""
         sizes: list[int | None] = [None]
         if find_size_locator(fake_args) is not None:
-            sizes += self.backend.config.compile_sizes
-        elif self.backend.config.compile_sizes:
+            sizes += self.compiler.config.compile_sizes
+        elif self.compiler.config.compile_sizes:
             logger.info("piece %d has no symbolic size: compile_sizes do not apply", piece.index)
         return {size: self._compile_size(piece, fake_args, key, size) for size in sizes}
 
     def _compile_size(
         self, piece: Piece, fake_args: list[Any], key: str, size: int | None
     ) -> Callable[..., Any]:
-        cache = self.backend.cache
+        cache = self.compiler.cache
         if cache is not None:
             loaded = cache.load(key, size)
             if loaded is not None:
                 return loaded
         start = time.perf_counter()
         if size is None:
-            compiled = self.backend.adaptor.compile(piece.graph, fake_args, None)
+            compiled = self.compiler.adaptor.compile(piece.graph, fake_args, None)
         else:
             with unset_fake_temporarily():
                 inputs = concrete_inputs(fake_args, size)
-                compiled = self.backend.adaptor.compile(piece.graph, inputs, size)
+                compiled = self.compiler.adaptor.compile(piece.graph, inputs, size)
         compilation_counter.num_backend_compilations += 1
         if cache is not None:
             with unset_fake_temporarily():

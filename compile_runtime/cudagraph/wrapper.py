@@ -34,8 +34,8 @@ from compile_runtime.config import (
     CUDAGraphMode,
     get_compilation_config,
 )
-from compile_runtime.counter import compilation_counter
-from compile_runtime.dispatcher import BatchDescriptor
+from compile_runtime.counters import compilation_counter
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
 
 logger = logging.getLogger(__name__)
@@ -278,7 +278,7 @@ class CUDAGraphWrapper:
         if not _capturing_enabled:
             raise CUDAGraphCaptureError(
                 f"{self.name}: no {mode} CUDA graph for {descriptor}, and capturing is off. "
-                "Graphs are captured at start-up (compile_runtime.capture.capture) for the "
+                "Graphs are captured at start-up (compile_runtime.cudagraph.capture.capture) for the "
                 "descriptors the dispatcher lists; a batch with another descriptor means the "
                 "dispatcher and the captured graphs disagree"
             )

@@ -13,6 +13,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
+from compile_runtime.planner.capture_sizes import resolve_capture_sizes
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ class CudagraphDispatcher:
         max_num_reqs: int | None = None,
     ):
         self.config = config
-        self.capture_sizes = config.capture_sizes(max_num_tokens)
+        self.capture_sizes = resolve_capture_sizes(config, max_num_tokens)
         self.max_num_reqs = max_num_reqs
         self.mode = NONE
         self.uniform_decode_query_len = 1
