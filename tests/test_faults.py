@@ -507,7 +507,7 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100]]
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-VOCAB = 512  # tiny_models' vocab_size
+VOCAB = 512  # compile_runtime.testing.model_dirs' vocab_size
 EAGER = {"backend": "eager", "cudagraph_mode": "NONE"}
 
 

@@ -1,0 +1,116 @@
+"""The package's modules import each other one way: no import cycle, not even inside a function.
+
+A cycle hidden in a function-level import still ties two modules together (neither can be
+read, moved or tested without the other), so imports inside functions count too; imports
+under ``if TYPE_CHECKING:`` do not run and do not count.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# Installed names of the source folders (pyproject.toml's package-dir).
+SOURCES = {
+    "compile_runtime": REPO / "compile_runtime",
+    "compile_runtime.backends": REPO / "backends",
+    "compile_runtime.passes": REPO / "passes",
+}
+
+
+def module_files() -> dict[str, Path]:
+    modules = {}
+    for package, folder in SOURCES.items():
+        for path in folder.rglob("*.py"):
+            parts = [p for p in path.relative_to(folder).with_suffix("").parts if p != "__init__"]
+            modules[".".join([package, *parts])] = path
+    return modules
+
+
+def own_module(name: str, modules: dict[str, Path]) -> str | None:
+    """The module of ours that importing ``name`` loads (a.b.func -> a.b), or None."""
+    while name and name not in modules:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def imported_names(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                continue
+            if isinstance(child, ast.Import):
+                names.update(alias.name for alias in child.names)
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    anchor = package
+                    for _ in range(child.level - 1):
+                        anchor = anchor.rpartition(".")[0]
+                    base = f"{anchor}.{base}" if base else anchor
+                for alias in child.names:  # `from pkg import submodule` loads the submodule
+                    sub = f"{base}.{alias.name}"
+                    names.add(sub if sub in modules else base)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return names
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = module_files()
+    graph = {}
+    for module, path in modules.items():
+        targets = {own_module(n, modules) for n in imported_names(module, path, modules)}
+        graph[module] = {t for t in targets if t and t != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                return path[path.index(target) :] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        path.pop()
+        state[module] = 2
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def test_the_graph_sees_the_package():
+    graph = import_graph()
+    assert (
+        "compile_runtime.config" in graph
+        and "compile_runtime.backends.attention.cpu_batched" in graph
+    )
+    assert "compile_runtime.config" in graph["compile_runtime.compiler.decorator"]
+
+
+def test_finds_a_cycle_when_there_is_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_no_import_cycles():
+    cycle = find_cycle(import_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_config_is_the_lowest_layer():
+    ours = {m for m in import_graph()["compile_runtime.config"] if m.startswith("compile_runtime")}
+    assert ours == set(), f"config.py imports {sorted(ours)}; it must import nothing of ours"
