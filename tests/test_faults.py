@@ -735,3 +735,10 @@ def test_bad_llm_sizes_fail_before_start_up(model_dirs):
         LLM(model_dirs("llama"), EAGER, block_size=0)
     with pytest.raises(ConfigError, match="EngineConfig.tensor_parallel_size=0"):
         LLM(model_dirs("llama"), EAGER, tensor_parallel_size=0)
+
+
+def test_llm_names_a_misspelt_option_before_anything_starts(model_dirs):
+    with pytest.raises(
+        ConfigError, match=r"LLM\(max_num_seq=\.\.\.\): unknown option; did you mean 'max_num_seqs'"
+    ):
+        LLM(model_dirs("llama"), EAGER, max_num_seq=4)

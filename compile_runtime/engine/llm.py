@@ -16,6 +16,7 @@ stuck in a collective), and later calls say the executor is shut down.
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import logging
 import os
@@ -28,7 +29,13 @@ import torch
 from tqdm import tqdm
 from transformers import AutoConfig
 
-from compile_runtime.config import CompilationConfig, EngineConfig, RunnerConfig, parse_config
+from compile_runtime.config import (
+    CompilationConfig,
+    ConfigError,
+    EngineConfig,
+    RunnerConfig,
+    parse_config,
+)
 from compile_runtime.executor import Executor, ExecutorError, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner
@@ -49,6 +56,20 @@ class StepFailedError(RuntimeError):
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# EngineConfig fields that LLM fills itself, not options a user passes.
+_SET_BY_LLM = {"model_dir", "compilation_config", "runner_config", "dtype"}
+
+
+def _check_option_names(options: dict[str, Any]) -> None:
+    """An unknown keyword is a typo: name it, with the closest options, before anything starts."""
+    known = (set(RunnerConfig.model_fields) | set(EngineConfig.model_fields)) - _SET_BY_LLM
+    for name in options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=3)
+            hint = f"did you mean {' or '.join(map(repr, close))}? " if close else ""
+            raise ConfigError(
+                f"LLM({name}=...): unknown option; {hint}the options are {sorted(known)}"
+            )
 
 
 @dataclass
@@ -95,6 +116,7 @@ class LLM:
                 raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
             dtype = DTYPES[dtype]
         self.compilation_config = parse_config(compilation_config)
+        _check_option_names(options)
         runner_options = {
             k: options.pop(k) for k in list(options) if k in RunnerConfig.model_fields
         }
