@@ -289,6 +289,15 @@ class LatencyBench:
         ).cudagraph_mode
         with torch.no_grad(), cr.set_forward_context(None, num_tokens=BUDGET):
             self.forward(self.ids, self.pos)  # trace and compile at the largest size
+        self.captured: set[int] = set()  # sizes whose piecewise graphs exist
+
+    def _dispatcher(self, sizes: list[int]):
+        from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+
+        config = self.config.model_copy(update={"cudagraph_capture_sizes": sizes})
+        dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)
+        dispatcher.initialize_keys(self.mode)
+        return dispatcher
 
     def sync(self) -> None:
         import torch
@@ -302,19 +311,21 @@ class LatencyBench:
 
         import compile_runtime as cr
         from compile_runtime.cudagraph.capture import CaptureInputs, capture
-        from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 
-        config = self.config.model_copy(update={"cudagraph_capture_sizes": sizes})
-        dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)
-        dispatcher.initialize_keys(self.mode)
+        dispatcher = self._dispatcher(sizes)
         ids, pos = self.ids, self.pos
         with torch.no_grad():
-            capture(
-                self.forward,
-                lambda d: CaptureInputs(args=(ids[: d.num_tokens], pos[: d.num_tokens])),
-                dispatcher,
-                progress=False,
-            )
+            # The wrappers keep earlier ladders' graphs: capture only the sizes this one adds
+            # (capturing a size twice is an error).
+            new_sizes = sorted(set(sizes) - self.captured)
+            if new_sizes:
+                capture(
+                    self.forward,
+                    lambda d, _mode: CaptureInputs(args=(ids[: d.num_tokens], pos[: d.num_tokens])),
+                    self._dispatcher(new_sizes),
+                    progress=False,
+                )
+                self.captured.update(new_sizes)
 
             def run(n: int, uniform: bool) -> None:
                 mode, desc = dispatcher.dispatch(n, uniform)

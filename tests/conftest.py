@@ -5,12 +5,24 @@ import os
 import pytest
 import torch
 
+from compile_runtime.device import DEVICE_ENV
 from compile_runtime.testing.model_dirs import make_model_dir
 
 # The default CPU thread count follows how busy the machine is and is part of the
 # cache key; pin it (for this process and the CLI subprocesses tests start) so two
 # starts in one test see the same key however loaded the machine is.
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
+
+# Every test runs on the device it was written for: engines a test starts without naming a
+# device run on the CPU (here and in the processes tests start), so a GPU machine does not
+# turn the CPU suite into CUDA tests; tests marked `cuda` get CUDA (see `_pin_device`).
+os.environ[DEVICE_ENV] = "cpu"
+
+
+@pytest.fixture(autouse=True)
+def _pin_device(request, monkeypatch):
+    if "cuda" in request.keywords:
+        monkeypatch.setenv(DEVICE_ENV, "cuda")
 
 
 @pytest.fixture(scope="session", autouse=True)

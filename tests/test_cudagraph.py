@@ -308,7 +308,9 @@ def test_piecewise_start_up_capture_and_replay(factory, num_layers):
     buffer = torch.zeros(max(SIZES), dtype=torch.long)  # persistent input buffer
     dispatcher = make_dispatcher(config, M.PIECEWISE)
     with counter.expect(num_cudagraph_captured=(num_layers + 1) * len(SIZES)):
-        report = capture(model, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        report = capture(
+            model, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False
+        )
     pieces = pieces_of(model)
     assert len(pieces) == num_layers + 1
     assert [(p.is_first_piece, p.is_last_piece) for p in pieces] == [
@@ -342,7 +344,7 @@ def test_piecewise_capture_accepts_capture_inputs(factory):
     buffer = torch.zeros(4, dtype=torch.long)
     seen = []
 
-    def make_inputs(desc):
+    def make_inputs(desc, _mode):
         seen.append(desc)
         return CaptureInputs(kwargs={"input_ids": buffer[: desc.num_tokens]}, attn_metadata="m")
 
@@ -358,7 +360,9 @@ def test_full_and_piecewise_capture(factory):
     buffer = torch.zeros(4, dtype=torch.long)
     dispatcher = make_dispatcher(config, M.FULL_AND_PIECEWISE)
     with counter.expect(num_cudagraph_captured=3 * len(SIZES) + len(SIZES)):
-        report = capture(full, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        report = capture(
+            full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False
+        )
     assert report.num_graphs == {"PIECEWISE": 3 * len(SIZES), "FULL": len(SIZES)}
     pieces = pieces_of(model)
     with cr.set_forward_context(
@@ -378,7 +382,7 @@ def test_capture_without_a_full_wrapper_is_an_error(factory):
     buffer = torch.zeros(4, dtype=torch.long)
     frozen = gc.get_freeze_count()
     with pytest.raises(CUDAGraphCaptureError, match="wrap_full_model"):
-        capture(model, lambda d: (buffer[: d.num_tokens],), make_dispatcher(config, M.FULL))
+        capture(model, lambda d, _mode: (buffer[: d.num_tokens],), make_dispatcher(config, M.FULL))
     assert not is_cudagraph_capturing_enabled() and gc.get_freeze_count() == frozen
 
 
@@ -387,7 +391,7 @@ def test_nothing_to_capture(factory):
     dispatcher = make_dispatcher(piecewise_config(), M.NONE)
     with counter.expect(num_cudagraph_captured=0):
         report = capture(
-            model, lambda d: (torch.zeros(d.num_tokens, dtype=torch.long),), dispatcher
+            model, lambda d, _mode: (torch.zeros(d.num_tokens, dtype=torch.long),), dispatcher
         )
     assert report.num_graphs == {} and "none" in report.summary()
 
@@ -423,7 +427,7 @@ def test_served_outputs_equal_eager_with_graph_semantics():
         full = wrap_full_model(model, config)
         buffer = torch.zeros(4, dtype=torch.long)
         dispatcher = make_dispatcher(config, M.FULL_AND_PIECEWISE)
-        capture(full, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        capture(full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False)
         modes = set()
         with counter.expect(num_cudagraph_captured=0):
             for n in [1, 2, 3, 4]:

@@ -65,7 +65,9 @@ def test_piecewise_graphs_one_per_piece_per_size():
     dispatcher = dispatcher_for(M.PIECEWISE)
     buffer = torch.zeros(max(SIZES), dtype=torch.long, device="cuda")
     with counter.expect(num_cudagraph_captured=(LAYERS + 1) * len(SIZES)):
-        report = capture(model, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        report = capture(
+            model, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False
+        )
     assert report.num_graphs == {"PIECEWISE": (LAYERS + 1) * len(SIZES)}
     assert report.memory_bytes is not None
     pieces = piece_wrappers(model)
@@ -85,7 +87,7 @@ def test_full_graphs_of_the_whole_model():
     dispatcher = dispatcher_for(M.FULL)
     buffer = torch.zeros(max(SIZES), dtype=torch.long, device="cuda")
     with counter.expect(num_cudagraph_captured=len(SIZES)):
-        capture(full, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        capture(full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False)
     assert piece_wrappers(model) == []  # no piecewise graphs in FULL mode
     with counter.expect(num_cudagraph_captured=0):
         for n in range(1, max(SIZES) + 1):
@@ -100,7 +102,9 @@ def test_full_and_piecewise_decode_takes_full_mixed_takes_piecewise():
     dispatcher = dispatcher_for(M.FULL_AND_PIECEWISE)
     buffer = torch.zeros(max(SIZES), dtype=torch.long, device="cuda")
     with counter.expect(num_cudagraph_captured=(LAYERS + 1) * len(SIZES) + len(SIZES)):
-        report = capture(full, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+        report = capture(
+            full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False
+        )
     assert report.num_descriptors == {"PIECEWISE": len(SIZES), "FULL": len(SIZES)}
     pieces = piece_wrappers(model)
 
@@ -119,7 +123,7 @@ def test_debug_mode_catches_a_moved_input():
     full = CUDAGraphWrapper(model, M.FULL, debug=True)
     dispatcher = dispatcher_for(M.FULL)
     buffer = torch.zeros(max(SIZES), dtype=torch.long, device="cuda")
-    capture(full, lambda d: (buffer[: d.num_tokens],), dispatcher, progress=False)
+    capture(full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False)
     with cr.set_forward_context(None, cudagraph_runtime_mode=M.FULL, batch_descriptor=BD(4)):
         full(buffer[:4])
         with pytest.raises(CUDAGraphAddressError, match="input_ids"):

@@ -75,7 +75,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
                 f"the flashinfer attention backend runs on CUDA devices, not {self.device}"
             )
         self._flashinfer = import_flashinfer()
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
         self._prefill_wrapper: Any = None
         self._decode_wrapper: Any = None
         self._graph_decode_wrappers: dict[int, Any] = {}

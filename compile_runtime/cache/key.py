@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from compile_runtime.config import CompilationConfig
+from compile_runtime.device import resolve_device
 from compile_runtime.version import __version__
 
 KEY_LENGTH = 20
@@ -31,8 +32,8 @@ def device_kind(device: torch.device | str | None = None) -> str:
     Inductor's CPU kernels have the thread count of their compile baked in, so
     a start with another count must not load them.
     """
-    device = torch.device(device) if device is not None else None
-    if (device is None or device.type == "cuda") and torch.cuda.is_available():
+    device = resolve_device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm_{major}{minor}:{torch.cuda.get_device_name(device)}"
     return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{torch.get_num_threads()}t"

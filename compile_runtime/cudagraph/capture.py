@@ -61,15 +61,19 @@ def _as_inputs(value: CaptureInputs | tuple[Any, ...] | Any) -> CaptureInputs:
 
 def capture(
     model: Callable[..., Any],
-    make_inputs: Callable[[BatchDescriptor], CaptureInputs | tuple[Any, ...]],
+    make_inputs: Callable[[BatchDescriptor, CUDAGraphMode], CaptureInputs | tuple[Any, ...]],
     dispatcher: CudagraphDispatcher,
     *,
     progress: bool = True,
 ) -> CaptureReport:
     """Capture every ``(mode, descriptor)`` of ``dispatcher.capture_descriptors()``.
 
-    ``make_inputs(descriptor)`` gives the forward's inputs padded to
-    ``descriptor.num_tokens``, in the persistent buffers serving will use.
+    ``make_inputs(descriptor, mode)`` gives the forward's inputs padded to
+    ``descriptor.num_tokens``, in the persistent buffers serving will use. The
+    mode says whether attention is inside the graph: attention metadata built
+    for a graph is needed only under FULL (under PIECEWISE attention runs
+    between the graphs, and a backend may refuse graph metadata for a batch
+    that is not a uniform decode).
     ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
     """
     descriptors = dispatcher.capture_descriptors()
@@ -80,8 +84,8 @@ def capture(
     cuda = torch.cuda.is_available()
 
     # Trace, compile and warm up outside any graph, at the largest size.
-    largest = max((d for _, d in descriptors), key=lambda d: d.num_tokens)
-    inputs = _as_inputs(make_inputs(largest))
+    largest_mode, largest = max(descriptors, key=lambda md: md[1].num_tokens)
+    inputs = _as_inputs(make_inputs(largest, largest_mode))
     with set_forward_context(inputs.attn_metadata, num_tokens=largest.num_tokens):
         model(*inputs.args, **inputs.kwargs)
 
@@ -116,13 +120,13 @@ def capture(
 
 def _capture_one(
     model: Callable[..., Any],
-    make_inputs: Callable[[BatchDescriptor], Any],
+    make_inputs: Callable[[BatchDescriptor, CUDAGraphMode], Any],
     mode: CUDAGraphMode,
     descriptor: BatchDescriptor,
     report: CaptureReport,
     cuda: bool,
 ) -> None:
-    inputs = _as_inputs(make_inputs(descriptor))
+    inputs = _as_inputs(make_inputs(descriptor, mode))
     before = compilation_counter.num_cudagraph_captured
     start = time.perf_counter()
     with set_forward_context(

@@ -36,6 +36,7 @@ from compile_runtime.config import (
     RunnerConfig,
     parse_config,
 )
+from compile_runtime.device import default_device
 from compile_runtime.executor import Executor, ExecutorError, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner
@@ -128,6 +129,8 @@ class LLM:
             dtype=dtype,
             **options,
         )
+        if engine_config.device is None:  # one explicit device for every worker
+            engine_config.device = default_device()
         # Chosen here, once (after the checks above), not by each worker: starting workers
         # would count each other as busy cores.
         runner_config.num_threads = _cpu_threads(
@@ -319,8 +322,8 @@ class LLM:
         return out
 
 
-def _cpu_threads(device: str | None, requested: int | None, tp_size: int) -> int | None:
-    on_cpu = torch.device(device).type == "cpu" if device else not torch.cuda.is_available()
+def _cpu_threads(device: str, requested: int | None, tp_size: int) -> int | None:
+    on_cpu = torch.device(device).type == "cpu"
     return resolve_num_threads(requested, tp_size) if on_cpu else requested
 
 

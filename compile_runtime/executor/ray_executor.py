@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from compile_runtime.config import EngineConfig
+from compile_runtime.device import default_device
 from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
 from compile_runtime.executor.base import (
     Executor,
@@ -92,7 +93,7 @@ class RayExecutor(Executor):
         if self.owns_ray:
             ray.init(include_dashboard=False, log_to_driver=False)
         world = config.tensor_parallel_size
-        use_gpu = (config.device or ("cuda" if _cuda() else "cpu")).startswith("cuda")
+        use_gpu = (config.device or default_device()).startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         try:
             self.placement_group = placement_group([dict(bundle)] * world, strategy="PACK")
@@ -219,9 +220,3 @@ class RayExecutor(Executor):
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return text[0] if text else type(e).__name__
-
-
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from compile_runtime.config import EngineConfig
-from compile_runtime.executor.base import Executor
+from compile_runtime.executor.base import Executor, ExecutorError
 from compile_runtime.executor.worker import Worker
 from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
@@ -24,12 +24,15 @@ class UniProcExecutor(Executor):
         self.workers_info = [self.worker.start()]
 
         self._output: ModelRunnerOutput | None = None
+        self._shut_down = False
 
     @property
     def driver_runner(self) -> ModelRunner:
         return self.worker.runner
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
+        if self._shut_down:
+            raise ExecutorError("the executor is shut down (after shutdown()); start a new LLM")
         self._output = self.worker.step(scheduler_output)
 
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -42,4 +45,7 @@ class UniProcExecutor(Executor):
         return [getattr(self.worker, method)(*args) for _ in (ranks if ranks is not None else [0])]
 
     def shutdown(self) -> None:
-        pass
+        """Give back the KV cache and graphs at once (a second engine in this process gets them)."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.worker.runner.release()  # no process group of its own to leave

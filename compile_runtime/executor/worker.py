@@ -29,6 +29,7 @@ import torch
 
 from compile_runtime.config import EngineConfig
 from compile_runtime.counters import compilation_counter
+from compile_runtime.device import default_device
 from compile_runtime.distributed import default_backend, init_distributed
 from compile_runtime.executor.base import WorkerInfo
 from compile_runtime.runner.model_runner import ModelRunner
@@ -66,7 +67,7 @@ class Worker:
 
     def device(self) -> str:
         """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
-        device = self.config.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        device = self.config.device or default_device()
         if self.world_size > 1 and device == "cuda":
             return f"cuda:{self.local_rank}"
         return device
@@ -128,8 +129,11 @@ class Worker:
         self._fault = (at_step, message)
 
     def shutdown(self) -> None:
+        """Release the runner's KV cache and graphs, then leave the process group."""
         from compile_runtime.distributed import destroy_distributed
 
+        if self.runner is not None:
+            self.runner.release()
         destroy_distributed()
 
 

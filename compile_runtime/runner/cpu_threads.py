@@ -85,4 +85,3 @@ def resolve_num_threads(requested: int | None, tp_size: int = 1) -> int:
     if requested < 1:
         raise ValueError(f"num_threads must be at least 1, got {requested}")
     return requested
-

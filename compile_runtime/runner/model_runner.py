@@ -33,8 +33,9 @@ from compile_runtime.backends.attention.registry import min_cg_support
 from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
-from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
-from compile_runtime.cudagraph.wrapper import wrap_full_model
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, wrap_full_model
+from compile_runtime.device import resolve_device
 from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.interface import CausalLanguageModel
@@ -42,6 +43,12 @@ from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.input_batch import InputBatch
+from compile_runtime.runner.kv_sizing import (
+    CudaMemory,
+    blocks_per_request,
+    cuda_kv_budget,
+    most_blocks_needed,
+)
 from compile_runtime.runner.sampler import Sampler
 from compile_runtime.runner.sampling_metadata import (
     RequestSamplingState,
@@ -78,13 +85,16 @@ class ModelRunner:
     ):
         self.config = runner_config or RunnerConfig()
         self.compilation_config = compilation_config
-        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = resolve_device(device)
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         self.num_threads = torch.get_num_threads()
         if self.device.type == "cpu":  # before compiling: Inductor bakes the count in
             self.num_threads = resolve_num_threads(self.config.num_threads, self.tp_size)
             torch.set_num_threads(self.num_threads)
+        if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._allocated_at_start = self._allocated()
         start = time.perf_counter()
         self.model: CausalLanguageModel = load_model(
             model_dir,
@@ -103,7 +113,8 @@ class ModelRunner:
             min_cg_support(backends), cuda_available=self.device.type == "cuda"
         )
         c = self.config
-        self.max_num_tokens = c.max_num_batched_tokens
+        # No step can hold more tokens than max_num_seqs full-length requests.
+        self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
         self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
@@ -173,23 +184,33 @@ class ModelRunner:
         with set_forward_context(None, num_tokens=num_tokens):
             return self.forward_model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 
+    def _allocated(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+
     def _num_kv_blocks(self) -> int:
+        """Blocks for the budget (after the profiling forward), capped at what can ever be used."""
         c = self.config
         if c.num_gpu_blocks_override is not None:
             return c.num_gpu_blocks_override
         per_block = kv_cache_bytes_per_block(self.layers, c.block_size, self.dtype)
         if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            free, total = torch.cuda.mem_get_info()
-            peak = torch.cuda.max_memory_allocated()
-            used_by_others = total - free - torch.cuda.memory_allocated()
-            # Graph pool estimate: the activations of the largest captured size.
-            graph_pool = peak - torch.cuda.memory_allocated()
-            budget = int(total * c.gpu_memory_utilization) - peak - used_by_others - graph_pool
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()  # the profile's activations count as free
+            free, total = torch.cuda.mem_get_info(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            memory = CudaMemory(
+                total=total,
+                free=free,
+                own_peak=peak - self._allocated_at_start,
+                activations=peak - self._allocated(),
+            )
+            budget = cuda_kv_budget(memory, c.gpu_memory_utilization)
         else:
             budget = c.kv_cache_bytes
-        num_blocks = budget // per_block
-        needed = -(-c.max_model_len // c.block_size) + 1
+        num_blocks = min(
+            budget // per_block, most_blocks_needed(c.max_num_seqs, c.max_model_len, c.block_size)
+        )
+        needed = blocks_per_request(c.max_model_len, c.block_size) + 1
         if num_blocks < needed:
             raise ModelRunnerError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} blocks of "
@@ -198,10 +219,22 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    def _capture_inputs(self, descriptor) -> CaptureInputs:
-        """Inputs of a capture: a batch of ``num_reqs`` requests with one cached block each."""
+    def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
+        """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
+
+        Under PIECEWISE attention runs between the graphs, so the capture runs
+        it without metadata (dense, no cache), like the profiling forward. A
+        FULL capture gets a batch of ``num_reqs`` requests (enough of them that
+        none is longer than ``max_model_len``) whose block tables point at block 1
+        and whose writes go to the null slot.
+        """
         n = descriptor.num_tokens
-        num_reqs = min(descriptor.num_reqs or 1, self.config.max_num_seqs, n)
+        args = (self.input_ids[:n], self.positions[:n])
+        if mode != CUDAGraphMode.FULL:
+            return CaptureInputs(args=args)
+        c = self.config
+        num_reqs = max(descriptor.num_reqs or 1, -(-n // c.max_model_len))
+        num_reqs = min(num_reqs, c.max_num_seqs, n)
         query_lens = np.full(num_reqs, n // num_reqs, dtype=np.int32)
         query_lens[-1] += n - int(query_lens.sum())
         qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
@@ -222,7 +255,18 @@ class ModelRunner:
             num_padded_tokens=n,
             for_cudagraph=True,
         )
-        return CaptureInputs(args=(self.input_ids[:n], self.positions[:n]), attn_metadata=metadata)
+        return CaptureInputs(args=args, attn_metadata=metadata)
+
+    def release(self) -> None:
+        """Give back the KV cache and the FULL graphs (``LLM.shutdown``); the runner cannot step after."""
+        for layer in self.layers:
+            layer.kv_cache = None
+        self.num_blocks = 0
+        self.execute_state = None
+        if isinstance(self.forward_model, CUDAGraphWrapper):
+            self.forward_model.entries.clear()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- one step ---------------------------------------------------------
 

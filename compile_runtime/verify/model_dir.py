@@ -9,6 +9,7 @@ import os
 import torch
 
 from compile_runtime.config import CompilationConfig, parse_config
+from compile_runtime.device import resolve_device
 from compile_runtime.models.registry import load_model
 from compile_runtime.verify.report import VerifyReport
 from compile_runtime.verify.verifier import verify_model
@@ -36,7 +37,7 @@ def check_model_dir(
         )
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
     model = load_model(

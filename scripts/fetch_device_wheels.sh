@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run HERE (with network), before a device call: fetch the wheels the GPU machine
+# lacks (Python 3.12, x86_64, torch 2.11 installed, no pydantic, no network) into
+# .whl/ (ignored by git), at the versions this checkout's venv uses.
+#
+#   bash scripts/fetch_device_wheels.sh
+#
+# Then carry the folder on every device call; gpu_check.sh installs the wheels
+# with --no-deps into /tmp, so the device's own torch is never replaced:
+#
+#   run(command="bash scripts/gpu_check.sh a", carry=[".whl"], timeout_s=330)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python3
+DEST=.whl
+# pydantic and what it needs; typing-extensions too (pydantic 2.14 needs >= 4.16).
+PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extensions"
+
+pins=""
+for name in $PACKAGES; do
+    version=$($PY -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$name")
+    pins="$pins $name==$version"
+done
+rm -rf "$DEST" && mkdir -p "$DEST"
+# shellcheck disable=SC2086
+$PY -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d "$DEST" $pins
+echo "fetched into $DEST/:"
+ls -1 "$DEST"

@@ -1,0 +1,79 @@
+"""On CUDA, the whole engine: every graph mode gives transformers' greedy tokens, graphs are
+captured where the mode says, and a second engine in the same process gets a KV cache."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
+from transformers import AutoModelForCausalLM
+
+from compile_runtime.counters import compilation_counter
+from compile_runtime.engine.llm import LLM
+from compile_runtime.runner.kv_sizing import most_blocks_needed
+from compile_runtime.runner.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.cuda
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+RUNNER = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128, device="cuda")
+GRAPHS = {"cudagraph_capture_sizes": [1, 2, 4, 8, 16, 32, 64]}
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model_dir = model_dirs("llama")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
+    tokens = []
+    for p in PROMPTS:
+        out = hf.generate(
+            torch.tensor([p], device="cuda"),
+            max_new_tokens=GREEDY.max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        tokens.append(out[0, len(p) :].tolist())
+    del hf
+    torch.cuda.empty_cache()
+    return model_dir, tokens
+
+
+@pytest.mark.parametrize(
+    "cudagraph_mode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+)
+@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
+def test_every_graph_mode_gives_transformers_tokens(
+    reference, cudagraph_mode, attention, monkeypatch
+):
+    if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed")
+    monkeypatch.setenv(ATTENTION_ENV, attention)
+    model_dir, expected = reference
+    config = {"backend": "eager", "cudagraph_mode": cudagraph_mode, **GRAPHS}
+    before = compilation_counter.num_cudagraph_captured
+    with LLM(model_dir, config, **RUNNER) as llm:
+        captured = compilation_counter.num_cudagraph_captured - before
+        assert (captured > 0) == (cudagraph_mode != "NONE")
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+    assert tokens == expected
+
+
+def test_second_engine_in_a_process_gets_its_kv_cache(reference):
+    model_dir, expected = reference
+    first = LLM(model_dir, {"backend": "eager", **GRAPHS}, **RUNNER)
+    blocks = first.runner.num_blocks
+    assert blocks == most_blocks_needed(8, 128, 16)  # what it can use, not the device
+    kv_bytes = sum(layer.kv_cache.numel() * 4 for layer in first.runner.layers)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    first.shutdown()
+    assert held - torch.cuda.memory_allocated() >= kv_bytes  # given back at once
+    with LLM(model_dir, {"backend": "eager", **GRAPHS}, **RUNNER) as second:
+        assert second.runner.num_blocks == blocks
+        tokens = [o.token_ids for o in second.generate(PROMPTS, GREEDY, progress=False)]
+    assert tokens == expected
