@@ -152,15 +152,30 @@ def mixed_workload(n: int) -> Workload:
 class HFSide:
     """transformers ``generate``, greedy; EOS is an ordinary token, as ``ignore_eos`` is for us."""
 
-    def __init__(self, name: str, model_dir: str, static: bool):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        static: bool,
+        *,
+        device: str = "cpu",
+        compile_mode: str | None = None,
+    ):
+        """``compile_mode``: torch.compile's ``mode`` for the static side (None: its default)."""
         self.name = name
         self.static = static
+        self.device = torch.device(device)
         start = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.model = self.model.to(self.device).eval()
         self.model.generation_config.eos_token_id = None  # every request runs to its length
         if static:
             self.model.generation_config.cache_implementation = "static"
-            self.model.forward = torch.compile(self.model.forward, fullgraph=True)
+            # Only the compile below: not also generate's own automatic one (CUDA, static cache).
+            self.model.generation_config.disable_compile = True
+            self.model.forward = torch.compile(
+                self.model.forward, fullgraph=True, mode=compile_mode
+            )
         self.build_s = time.perf_counter() - start
         self.compile_s: float | None = None
 
@@ -173,8 +188,12 @@ class HFSide:
 
     def _generate(self, group: list[Request], cache_len: int) -> list[list[int]]:
         width = max(len(r.prompt) for r in group)
-        ids = torch.tensor([[PAD] * (width - len(r.prompt)) + r.prompt for r in group])
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group])
+        ids = torch.tensor(
+            [[PAD] * (width - len(r.prompt)) + r.prompt for r in group], device=self.device
+        )
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in group], device=self.device
+        )
         if self.static:  # one cache size for warm-up and timed runs, so no recompile
             self.model.generation_config.max_cache_len = cache_len
         out = self.model.generate(

@@ -43,24 +43,38 @@ def reference(model_dirs):
     return model_dir, tokens
 
 
-@pytest.mark.parametrize(
-    "cudagraph_mode", ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
-)
-@pytest.mark.parametrize("attention", ["triton", "flashinfer"])
-def test_every_graph_mode_gives_transformers_tokens(
-    reference, cudagraph_mode, attention, monkeypatch
-):
-    if attention == "flashinfer" and importlib.util.find_spec("flashinfer") is None:
-        pytest.skip("flashinfer is not installed")
-    monkeypatch.setenv(ATTENTION_ENV, attention)
-    model_dir, expected = reference
+MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+def run(model_dir, cudagraph_mode, **options):
     config = {"backend": "eager", "cudagraph_mode": cudagraph_mode, **GRAPHS}
     before = compilation_counter.num_cudagraph_captured
-    with LLM(model_dir, config, **RUNNER) as llm:
+    with LLM(model_dir, config, **RUNNER, **options) as llm:
         captured = compilation_counter.num_cudagraph_captured - before
         assert (captured > 0) == (cudagraph_mode != "NONE")
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
-    assert tokens == expected
+        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+
+
+@pytest.mark.parametrize("cudagraph_mode", MODES)
+def test_triton_in_every_graph_mode_gives_transformers_tokens(
+    reference, cudagraph_mode, monkeypatch
+):
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    model_dir, expected = reference
+    assert run(model_dir, cudagraph_mode) == expected
+
+
+@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_flashinfer_graphs_give_its_eager_tokens(model_dirs, arch, monkeypatch):
+    """FlashInfer runs in half precision only, so its reference is its own run without graphs;
+    Gemma 2 alternates sliding-window layers: one plan per (window, soft cap)."""
+    monkeypatch.setenv(ATTENTION_ENV, "flashinfer")
+    overrides = {"sliding_window": 8, "attn_logit_softcapping": 20.0} if arch == "gemma2" else {}
+    model_dir = model_dirs(arch, head_dim=64, **overrides)
+    expected = run(model_dir, "NONE", dtype="bfloat16")
+    for mode in MODES[1:]:
+        assert run(model_dir, mode, dtype="bfloat16") == expected, mode
 
 
 def test_second_engine_in_a_process_gets_its_kv_cache(reference):

@@ -128,3 +128,28 @@ def test_adapter_accepts_arguments_that_match_the_layer(scaling):
         position_ids=torch.arange(3)[None], use_cache=False, cu_seq_lens_q=None,
     )  # fmt: skip
     assert out.shape == (1, 3, 2, 16) and weights is None
+
+
+def test_layers_whose_metadata_differs_get_a_builder_each(model_dirs, monkeypatch):
+    """FlashInfer plans window and cap into the step (GPU only); here the CPU backend is made to
+    say the same, and Gemma 2's alternating layers must get two builders and still give
+    transformers' tokens."""
+    from compile_runtime.backends.attention.cpu_batched import CPUBatchedBackend
+
+    monkeypatch.setattr(
+        CPUBatchedBackend,
+        "metadata_key",
+        classmethod(lambda cls, spec: (spec.sliding_window, spec.logits_soft_cap)),
+    )
+    model_dir = model_dirs("gemma2", **GEMMA2, **WINDOW)
+    llm = LLM(
+        model_dir,
+        {"backend": "eager"},
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        use_transformers=True,
+    )
+    windows = sorted(str(b.spec.sliding_window) for b, _ in llm.runner.metadata_groups)
+    assert windows == ["8", "None"]
+    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
+    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)

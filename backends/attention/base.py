@@ -9,6 +9,7 @@ its implementation.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import ClassVar
 
 import torch
@@ -77,6 +78,12 @@ class AttentionBackend:
             and head_size not in cls.supported_head_sizes
         ):
             return f"takes head sizes {sorted(cls.supported_head_sizes)}, not {head_size}"
+        return None
+
+    @classmethod
+    def metadata_key(cls, spec: AttentionSpec) -> Hashable:
+        """What of a layer's spec its step metadata depends on: layers with different keys get
+        their own builder (FlashInfer plans window and soft cap into the step). Default: none."""
         return None
 
     @classmethod

@@ -17,6 +17,7 @@ it and on CPU.
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -230,8 +231,8 @@ class FlashInferImpl(AttentionImpl):
             raise AttentionBackendError(
                 "flashinfer plans the sliding window and logit soft cap once per step, for "
                 f"(window, cap) = {planned}, but this layer has "
-                f"{(self.spec.sliding_window, self.spec.logits_soft_cap)}; models whose layers "
-                "differ (Gemma 2 alternates windows) need another backend, e.g. triton"
+                f"{(self.spec.sliding_window, self.spec.logits_soft_cap)}; give each "
+                "(window, cap) its own builder (FlashInferBackend.metadata_key), as the runner does"
             )
         write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         n = state.num_tokens
@@ -248,6 +249,10 @@ class FlashInferBackend(AttentionBackend):
     supported_head_sizes = frozenset({64, 128, 256})
     impl_cls = FlashInferImpl
     builder_cls = FlashInferMetadataBuilder
+
+    @classmethod
+    def metadata_key(cls, spec: AttentionSpec) -> Hashable:
+        return (spec.sliding_window, spec.logits_soft_cap)  # planned once per step
 
     @classmethod
     def missing_dependency(cls) -> str | None:

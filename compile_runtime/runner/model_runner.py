@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +31,7 @@ from compile_runtime.attention.kv_cache import (
     kv_cache_bytes_per_block,
 )
 from compile_runtime.attention.layer import attention_layers
+from compile_runtime.attention.metadata import AttentionMetadataBuilder
 from compile_runtime.backends.attention.registry import min_cg_support
 from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
@@ -121,12 +124,20 @@ class ModelRunner:
         self.slot_mapping = torch.full(
             (self.max_num_tokens,), -1, dtype=torch.long, device=self.device
         )
-        # One builder per backend: layers of a backend share the step's metadata.
-        spec = self.layers[0].spec
-        (backend,) = backends if len(backends) == 1 else (self.layers[0].attn_backend,)
-        self.metadata_builder = backend.make_builder(
-            spec, c.block_size, c.max_num_seqs, self.device
-        )
+        # One builder per group of layers that can share a step's metadata: per backend, and
+        # per what the backend plans into it (FlashInfer: window and soft cap, so Gemma 2's
+        # alternating layers get two plans).
+        groups: dict[Hashable, tuple[AttentionMetadataBuilder, list[str]]] = {}
+        for layer in self.layers:
+            backend = layer.attn_backend
+            key = (backend, backend.metadata_key(layer.spec))
+            if key not in groups:
+                builder = backend.make_builder(
+                    layer.spec, c.block_size, c.max_num_seqs, self.device
+                )
+                groups[key] = (builder, [])
+            groups[key][1].append(layer.layer_name)
+        self.metadata_groups = list(groups.values())
         self.dispatcher = CudagraphDispatcher(
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
@@ -246,7 +257,7 @@ class ModelRunner:
             device=self.device,
         )
         self.slot_mapping[:n].fill_(-1)
-        metadata = self.metadata_builder.build(
+        metadata = self._build_metadata(
             qsl,
             seq_lens,
             block_table,
@@ -256,6 +267,16 @@ class ModelRunner:
             for_cudagraph=True,
         )
         return CaptureInputs(args=args, attn_metadata=metadata)
+
+    def _build_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        """The step's attention metadata: one object, or one per layer when groups differ."""
+        if len(self.metadata_groups) == 1:
+            return self.metadata_groups[0][0].build(*args, **kwargs)
+        by_layer = {}
+        for builder, names in self.metadata_groups:
+            metadata = builder.build(*args, **kwargs)
+            by_layer.update(dict.fromkeys(names, metadata))
+        return by_layer
 
     def release(self) -> None:
         """Give back the KV cache and the FULL graphs (``LLM.shutdown``); the runner cannot step after."""
@@ -335,7 +356,7 @@ class ModelRunner:
 
         qsl = torch.zeros(len(req_ids) + 1, dtype=torch.int32)
         qsl[1:] = torch.from_numpy(cu)
-        metadata = self.metadata_builder.build(
+        metadata = self._build_metadata(
             qsl,
             torch.from_numpy(seq_lens.astype(np.int32)),
             batch.block_table.gather(rows),
