@@ -26,6 +26,7 @@ class CompilationCounter:
     num_cache_misses: int = 0
     num_compiled_artifacts_saved: int = 0
     num_compiled_artifacts_loaded: int = 0
+    num_programs_loaded: int = 0  # warm starts that ran a saved program: no trace, no compile
 
     def clone(self) -> CompilationCounter:
         return copy.deepcopy(self)

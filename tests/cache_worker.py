@@ -28,6 +28,8 @@ print(
     json.dumps(
         {
             "inductor": c.num_inductor_compiles,
+            "traces": c.num_graphs_seen,
+            "programs": c.num_programs_loaded,
             "hits": c.num_cache_hits,
             "misses": c.num_cache_misses,
             "saved": c.num_compiled_artifacts_saved,

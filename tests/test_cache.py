@@ -54,6 +54,8 @@ def test_second_process_loads_and_moved_cache_still_hits(warm_cache, tmp_path):
     cache, cold = warm_cache
     warm, _ = worker(cache)
     assert warm["inductor"] == 0 and warm["loaded"] == 3 and warm["hits"] == 3
+    assert cold["traces"] == 1 and cold["programs"] == 0
+    assert warm["traces"] == 0 and warm["programs"] == 1  # the saved program: no trace at all
     assert warm["output"] == cold["output"]
     moved = tmp_path / "moved"
     shutil.copytree(cache, moved)

@@ -37,7 +37,9 @@ from typing import Any, TypeVar
 import torch
 import torch.fx.experimental._config as fx_config
 
-from compile_runtime.cache.location import CacheError
+from compile_runtime.cache.location import CacheError, cache_root
+from compile_runtime.compiler import graph_compiler as graph_compiler_module
+from compile_runtime.compiler import saved_program
 from compile_runtime.compiler.graph_compiler import CompileResult, GraphCompiler
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
 from compile_runtime.compiler.split import Piece, SplittingOpError
@@ -258,6 +260,10 @@ class CompiledForward:
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
         self.none_pattern = self._record_none_pattern(bound)
+        program = self._program_factors(bound.arguments)
+        if program is not None and self._load_program(*program):
+            return self.direct(*args, **kwargs)
+        self.graph_compiler.want_program = program is not None
         for name, dims in self.dims.items():
             value = bound.arguments.get(name)
             if isinstance(value, torch.Tensor):
@@ -282,7 +288,78 @@ class CompiledForward:
         finally:
             hook.remove()
         self.traced = True
+        if program is not None and self.graph_compiler.program_draft is not None:
+            self._save_program(*program, out)
         return out
+
+    # ---- the saved program: a warm start that neither traces nor compiles ---------------------
+
+    def _program_factors(self, arguments: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """(key, factors) of this call's program, or None where programs do not apply."""
+        compiler = self.graph_compiler
+        if (
+            self.config.disable_cache
+            or not compiler.adaptor.can_save
+            or graph_compiler_module.is_key_only_tracing()
+        ):
+            return None
+        device = next((v.device for v in arguments.values() if isinstance(v, torch.Tensor)), None)
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        try:
+            factors = saved_program.program_factors(
+                self.forward.__self__,
+                self.config,
+                arguments,
+                self.dims,
+                pass_uuid=compiler.pass_manager.uuid(),
+                device=device,
+                world_size=torch.distributed.get_world_size() if distributed else 1,
+            )
+        except saved_program.NotSaveable as e:
+            logger.info("%s: no saved program (%s); it traces at every start", self.model_name, e)
+            return None
+        return saved_program.program_key(factors), factors
+
+    def _rank(self) -> int:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return torch.distributed.get_rank() if distributed else 0
+
+    def _load_program(self, key: str, factors: dict[str, Any]) -> bool:
+        root = cache_root(self.config.cache_dir)
+        program = saved_program.find(root, key, self._rank(), self.model_name)
+        if program is None or not self.graph_compiler.load_program(program):
+            return False
+        model = self.forward.__self__
+        self_name = next(iter(inspect.signature(type(model).forward).parameters))
+        gather = saved_program.make_gather(program.record["inputs"], self_name, model)
+        run_graph = self.graph_compiler.split_gm.forward
+        names = list(self.signature.parameters)
+        signature = self.signature
+        single = program.record["output"] == "single"
+
+        def run_program(*args: Any, **kwargs: Any) -> Any:
+            if not kwargs and len(args) == len(names):
+                arguments = dict(zip(names, args, strict=True))
+            else:
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                arguments = bound.arguments
+            out = run_graph(*gather(arguments))
+            return out[0] if single else tuple(out)
+
+        self.direct = run_program
+        self.traced = True
+        return True
+
+    def _save_program(self, key: str, factors: dict[str, Any], out: Any) -> None:
+        try:
+            saved_program.save(
+                self.graph_compiler.program_draft, key, factors, out, self.none_pattern
+            )
+        except saved_program.NotSaveable as e:
+            logger.info("%s: no saved program (%s); it traces at every start", self.model_name, e)
+        except OSError as e:
+            logger.warning("%s: could not save the traced program (%s)", self.model_name, e)
 
     def _record_none_pattern(
         self, bound: inspect.BoundArguments

@@ -10,8 +10,10 @@ are compiled once and share the result.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
+import pickle
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from compile_runtime.backends.compiler import make_adaptor
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import key_factors, source_digests
 from compile_runtime.cache.location import cache_root
+from compile_runtime.compiler import saved_program
 from compile_runtime.compiler.graph_hash import piece_hash
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, find_size_locator
 from compile_runtime.compiler.split import (
@@ -109,6 +112,10 @@ def key_only_tracing() -> Iterator[list[dict[str, Any]]]:
 _key_only_seen: list[list[dict[str, Any]]] = []
 
 
+def is_key_only_tracing() -> bool:
+    return bool(_key_only)
+
+
 class GraphCompiler:
     """The callable handed to ``torch.compile(backend=...)``: passes, split, compile each piece."""
 
@@ -124,6 +131,11 @@ class GraphCompiler:
         self.pieces: list[Piece] = []  # every piece with its FX graph before compilation
         self.cache: CacheEntry | None = None
         self.key_factors: dict[str, Any] | None = None
+        self.traced_files: list[str] = []
+        # Set by the compiled forward when the trace may be saved as a program; the draft
+        # is what the cold start keeps of it (saved_program.py).
+        self.want_program = False
+        self.program_draft: saved_program.ProgramDraft | None = None
 
     @property
     def splitting_ops(self) -> list[str]:
@@ -156,6 +168,7 @@ class GraphCompiler:
         gm = self.pass_manager(gm)
         check_splitting_ops(self.splitting_ops)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
+        draft = self._start_draft(gm, split_gm)
         num_splitting = sum(p.is_splitting_op for p in pieces)
         if self.splitting_ops and not num_splitting:
             logger.log(
@@ -175,32 +188,7 @@ class GraphCompiler:
         compiler = _PieceCompiler(split_gm, pieces, self)
         with fake_mode:
             compiler.run(*fake_args)
-        for piece in pieces:
-            if piece.is_splitting_op:
-                # An instance attribute wins over the submodule, which stays for printing.
-                split_gm.__dict__[piece.name] = direct_splitting_piece(piece.graph)
-        capturable = [p for p in pieces if not p.is_splitting_op]
-        for i, piece in enumerate(capturable):
-            runtime = compiler.runtimes[piece.name]
-            # A compiled artifact is not an nn.Module: put it in place through __dict__.
-            split_gm._modules.pop(piece.name)
-            # Unsplit, the one piece may hold attention: never a piecewise graph of it.
-            split_gm.__dict__[piece.name] = (
-                wrap_piece(
-                    runtime,
-                    self.config,
-                    graph=piece.graph,
-                    index=piece.index,
-                    is_first=i == 0,
-                    is_last=i == len(capturable) - 1,
-                )
-                if num_splitting
-                else runtime
-            )
-            self.runtimes.append(runtime)
-
-        self.split_gm = split_gm
-        self.pieces = pieces
+        self._install(split_gm, pieces, compiler.runtimes)
         self.result = CompileResult(
             pieces=compiler.records,
             unique_pieces=len(compiler.compiled),
@@ -222,6 +210,8 @@ class GraphCompiler:
                 f.write(self._readable_graph(split_gm))
         if self.cache is not None:
             self.cache.commit(self._cache_summary(), self._readable_graph(split_gm))
+            if draft is not None:
+                self.program_draft = self._finish_draft(draft, compiler.runtimes, compiler.records)
             logger.info(
                 "compile cache %s: %d pieces loaded, %d compiled (%s)",
                 self.cache.key,
@@ -230,6 +220,157 @@ class GraphCompiler:
                 self.cache.dir,
             )
         return split_gm
+
+    def _install(
+        self,
+        split_gm: torch.fx.GraphModule,
+        pieces: list[Piece],
+        runtimes: dict[str, PiecewiseRuntime],
+    ) -> None:
+        """Put every piece's runtime in place in the split graph (cold and warm start alike)."""
+        num_splitting = sum(p.is_splitting_op for p in pieces)
+        for piece in pieces:
+            if piece.is_splitting_op:
+                # An instance attribute wins over the submodule, which stays for printing.
+                split_gm.__dict__[piece.name] = direct_splitting_piece(piece.graph)
+        capturable = [p for p in pieces if not p.is_splitting_op]
+        for i, piece in enumerate(capturable):
+            runtime = runtimes[piece.name]
+            # A compiled artifact is not an nn.Module: put it in place through __dict__.
+            split_gm._modules.pop(piece.name)
+            # Unsplit, the one piece may hold attention: never a piecewise graph of it.
+            split_gm.__dict__[piece.name] = (
+                wrap_piece(
+                    runtime,
+                    self.config,
+                    graph=piece.graph,
+                    index=piece.index,
+                    is_first=i == 0,
+                    is_last=i == len(capturable) - 1,
+                )
+                if num_splitting
+                else runtime
+            )
+            self.runtimes.append(runtime)
+        self.split_gm = split_gm
+        self.pieces = pieces
+
+    # ---- the saved program (compiler/saved_program.py) -------------------------------------
+
+    def _start_draft(
+        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule
+    ) -> tuple[bytes, list[str], int] | None:
+        """The split graph pickled before its pieces are replaced, the inputs' sources and
+        the number of outputs; None when no program is wanted or it cannot be saved."""
+        if not self.want_program or self.cache is None:
+            return None
+        try:
+            inputs = saved_program.draft_inputs(gm)
+            (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
+            num_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else 1
+            return pickle.dumps(split_gm), inputs, num_outputs
+        except Exception as e:  # noqa: BLE001 - any reason only means: trace at every start
+            logger.info("%s: the trace is not saved as a program (%s)", self.model_tag, e)
+            return None
+
+    def _finish_draft(
+        self,
+        draft: tuple[bytes, list[str], int],
+        runtimes: dict[str, PiecewiseRuntime],
+        records: list[PieceRecord],
+    ) -> saved_program.ProgramDraft:
+        split_pickle, inputs, num_outputs = draft
+        table = [
+            {
+                "name": name,
+                "hash": runtime.piece_hash,
+                "locator": list(runtime.locator) if runtime.locator else None,
+                "sizes": [None, *sorted(runtime.exact)],
+            }
+            for name, runtime in runtimes.items()
+        ]
+        return saved_program.ProgramDraft(
+            split_pickle=split_pickle,
+            inputs=inputs,
+            num_outputs=num_outputs,
+            pieces=table,
+            records=[dataclasses.asdict(r) for r in records],
+            entry_dir=self.cache.dir,
+            entry_factors=self.cache.factors,
+            sources={
+                path: digest
+                for path in self.traced_files
+                for digest in source_digests([path]).values()
+            },
+        )
+
+    def load_program(self, program: saved_program.SavedProgram) -> bool:
+        """Install a saved program's pieces from its cache entry: no trace, no compile.
+
+        False (and nothing installed) when an artifact is missing or does not load.
+        """
+        start = time.perf_counter()
+        record = program.record
+        rank = torch.distributed.get_rank() if _distributed() else 0
+        cache = open_entry(
+            cache_root(self.config.cache_dir),
+            record["entry_factors"],
+            self.adaptor,
+            self.model_tag,
+            rank,
+        )
+        try:
+            runtimes: dict[str, PiecewiseRuntime] = {}
+            loaded: dict[str, dict[int | None, Callable[..., Any]]] = {}
+            by_name = {r["name"]: r for r in record["records"]}
+            for entry in record["pieces"]:
+                key = entry["hash"]
+                if key not in loaded:
+                    by_size = {size: cache.load(key, size) for size in entry["sizes"]}
+                    if any(fn is None for fn in by_size.values()):
+                        logger.warning(
+                            "%s: saved program not used (piece %s is not in the cache); "
+                            "tracing again",
+                            self.model_tag,
+                            key,
+                        )
+                        return False
+                    loaded[key] = by_size
+                by_size = loaded[key]
+                runtimes[entry["name"]] = PiecewiseRuntime(
+                    index=by_name[entry["name"]]["index"],
+                    general=by_size[None],
+                    exact={s: fn for s, fn in by_size.items() if s is not None},
+                    locator=tuple(entry["locator"]) if entry["locator"] else None,
+                    piece_hash=key,
+                )
+            split_gm = program.split_gm
+            pieces = [
+                Piece(
+                    r["name"], r["index"], split_gm.get_submodule(r["name"]), r["is_splitting_op"]
+                )
+                for r in record["records"]
+            ]
+            self._install(split_gm, pieces, runtimes)
+            self.key_factors = record["entry_factors"]
+            self.result = CompileResult(
+                pieces=[PieceRecord(**r) for r in record["records"]],
+                unique_pieces=len(loaded),
+                compile_sizes=list(self.config.compile_sizes),
+                seconds=time.perf_counter() - start,
+            )
+            cache.commit(self._cache_summary(), self._readable_graph(split_gm))
+        finally:
+            cache.release()
+        compilation_counter.num_programs_loaded += 1
+        logger.info(
+            "loaded %s's saved program: %d pieces, %d compiled artifacts, no trace, %.2f s",
+            self.model_tag,
+            len(record["records"]),
+            cache.num_loaded,
+            self.result.seconds,
+        )
+        return True
 
     def _open_cache(self, gm: torch.fx.GraphModule, fake_args: list[Any]) -> CacheEntry | None:
         if self.config.disable_cache or not self.adaptor.can_save:
@@ -244,11 +385,12 @@ class GraphCompiler:
         """The cache key factors of this trace (graph before passes, traced sources, ...)."""
         context = torch._guards.TracingContext.try_get()
         traced = getattr(context, "traced_code", None) or []
+        self.traced_files = sorted({code.co_filename for code in traced})
         world_size = torch.distributed.get_world_size() if _distributed() else 1
         self.key_factors = key_factors(
             self.config,
             graph_hash=piece_hash(gm, fake_args),
-            sources=source_digests({code.co_filename for code in traced}),
+            sources=source_digests(self.traced_files),
             pass_uuid=self.pass_manager.uuid(),
             device=_graph_device(fake_args),
             world_size=world_size,

@@ -1,0 +1,154 @@
+"""The traced program saved beside its pieces: a warm start runs it with no trace and no
+compile, and anything it cannot be trusted for is a miss that traces again."""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import logging
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import compile_runtime as cr
+from compile_runtime.cache import manage
+from compile_runtime.compiler import saved_program
+from compile_runtime.testing.transformer import build_transformer
+
+SHAPE = dict(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, intermediate=128, vocab=100)
+
+
+def counts() -> tuple[int, int, int]:
+    c = cr.compilation_counter
+    return c.num_graphs_seen, c.num_backend_compilations, c.num_programs_loaded
+
+
+def delta(before: tuple[int, int, int]) -> dict[str, int]:
+    after = counts()
+    return dict(zip(("traces", "compiles", "programs"), (a - b for a, b in zip(after, before))))
+
+
+def run(model, n: int) -> torch.Tensor:
+    torch.manual_seed(n)
+    with torch.no_grad():
+        return model(torch.randint(0, SHAPE["vocab"], (n,)), torch.arange(n))
+
+
+def fresh_model(config):
+    gc.collect()  # a dead model's attention layer names are free again, as in a new process
+    torch.manual_seed(0)
+    return build_transformer(config, **SHAPE)
+
+
+def test_warm_start_runs_the_saved_program(tmp_path):
+    config = cr.CompilationConfig(backend="inductor", cache_dir=str(tmp_path))
+    cold = fresh_model(config)
+    before = counts()
+    expected = [run(cold, n) for n in (9, 1, 4)]
+    assert delta(before) == {"traces": 1, "compiles": 3, "programs": 0}
+    del cold
+    warm = fresh_model(config)
+    before = counts()
+    got = [run(warm, n) for n in (9, 1, 4)]
+    assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
+    for e, g in zip(expected, got, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
+    record = cr.compiler.decorator.compiled_model(warm)
+    assert [p.is_splitting_op for p in record.pieces] == [False, True, False, True, False]
+
+
+def test_a_model_attribute_the_trace_bakes_in_changes_the_program_key():
+    config = cr.CompilationConfig(backend="eager")
+    first = saved_program.model_fingerprint(fresh_model(config))
+    model = fresh_model(config)  # the same layer names once the first is gone
+    assert saved_program.model_fingerprint(model) == first
+    model.norm.eps *= 2
+    assert saved_program.model_fingerprint(model) != first
+
+
+def test_an_argument_the_trace_cannot_key_is_not_saved():
+    with pytest.raises(saved_program.NotSaveable, match="'options' is a dict"):
+        saved_program.argument_kinds({"x": torch.ones(2), "options": {}}, {"x": 0})
+    kinds = saved_program.argument_kinds({"x": torch.ones(3, 4), "flag": True}, {"x": 0})
+    assert kinds == {"x": {"tensor": [["*", 4], "torch.float32", "cpu"]}, "flag": {"value": True}}
+
+
+MODEL_SOURCE = """
+import torch
+import compile_runtime as cr
+
+SCALE = {scale}
+
+
+@cr.compile
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * SCALE
+"""
+
+
+def write_model(path, scale: float):
+    path.write_text(textwrap.dedent(MODEL_SOURCE.format(scale=scale)))
+
+
+def test_a_changed_source_file_is_a_miss_named_in_the_log_and_by_explain(
+    tmp_path, monkeypatch, caplog
+):
+    module_dir = tmp_path / "src"
+    module_dir.mkdir()
+    module_file = module_dir / "scaled_model_for_program_test.py"
+    write_model(module_file, 2.0)
+    monkeypatch.syspath_prepend(str(module_dir))
+    module = importlib.import_module("scaled_model_for_program_test")
+    cache = tmp_path / "cache"
+    config = cr.CompilationConfig(backend="inductor", cache_dir=str(cache))
+    x = torch.randn(3, 8)
+
+    def start():
+        torch.manual_seed(0)
+        with cr.set_compilation_config(config):
+            model = module.Scaled()
+        before = counts()
+        with torch.no_grad():
+            out = model(x)
+        return out, delta(before)
+
+    first, d = start()
+    assert d["traces"] == 1
+    again, d = start()
+    assert d == {"traces": 0, "compiles": 0, "programs": 1}
+    write_model(module_file, 3.0)  # the same shapes: only the source says it changed
+    module = importlib.reload(module)
+    with caplog.at_level(logging.WARNING):
+        changed, d = start()
+    assert d["traces"] == 1 and d["programs"] == 0
+    assert "scaled_model_for_program_test.py changed since the program was saved" in caplog.text
+    torch.testing.assert_close(changed, first * 1.5)
+    old, new = sorted(manage.key_dirs(str(cache)), key=lambda k: (cache / k).stat().st_mtime)
+    diff = manage.explain(manage.factors_of(str(cache), old), manage.factors_of(str(cache), new))
+    assert "sources.scaled_model_for_program_test.py" in [path for path, _, _ in diff]
+    sys.modules.pop("scaled_model_for_program_test", None)
+
+
+def test_a_damaged_program_traces_again_and_is_saved_anew(tmp_path, caplog):
+    config = cr.CompilationConfig(backend="inductor", cache_dir=str(tmp_path))
+    expected = run(fresh_model(config), 5)
+    (pickle_file,) = tmp_path.glob("*/rank_0/*/program-*.pkl")
+    pickle_file.write_bytes(b"not a pickle")
+    before = counts()
+    with caplog.at_level(logging.WARNING):
+        got = run(fresh_model(config), 5)
+    assert delta(before)["traces"] == 1 and "does not load" in caplog.text
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    before = counts()
+    run(fresh_model(config), 5)
+    assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
+    (record,) = tmp_path.glob("*/rank_0/*/program-*.json")
+    assert json.loads(record.read_text())["output"] == "single"
