@@ -27,8 +27,8 @@ def counts() -> tuple[int, int, int]:
 
 
 def delta(before: tuple[int, int, int]) -> dict[str, int]:
-    after = counts()
-    return dict(zip(("traces", "compiles", "programs"), (a - b for a, b in zip(after, before))))
+    changes = (a - b for a, b in zip(counts(), before, strict=True))
+    return dict(zip(("traces", "compiles", "programs"), changes, strict=True))
 
 
 def run(model, n: int) -> torch.Tensor:
