@@ -6,8 +6,10 @@ The general piece is compiled with the symbolic sizes of the Dynamo trace
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -112,5 +114,31 @@ class InductorAdaptor(CompilerAdaptor):
         return {"single_output": single}
 
     def load(self, path: str, meta: dict[str, Any]):
-        artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+        with trust_cpu_isa_flags():
+            artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
         return _Unwrap(artifact) if meta.get("single_output") else artifact
+
+
+@contextlib.contextmanager
+def trust_cpu_isa_flags() -> Iterator[None]:
+    """Skip Inductor's CPU-ISA probe while loading saved kernels.
+
+    Loading a CPU artifact asks which vector ISA to use only to find its kernel's
+    file; the probe behind the answer builds and dlopens a test program per ISA in
+    child processes (about 2 s per process on two cores). The kernels are built
+    already, for this CPU capability (part of the cache key), so the CPU's own
+    flags answer. A compile later in the process probes as usual: the list
+    computed here is dropped.
+    """
+    from torch._inductor import config, cpu_vec_isa
+
+    if config.cpp.vec_isa_ok is not None:  # the user decided
+        yield
+        return
+    probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
+    try:
+        with config.patch({"cpp.vec_isa_ok": True}):
+            yield
+    finally:
+        if not probed:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()

@@ -190,9 +190,11 @@ def attention_split(model: torch.nn.Module) -> bool | None:
     took attention out of the pieces. None when nothing in ``model`` is traced.
     """
     splits = [
-        any(p.is_splitting_op for p in record.pieces)
+        any(p.is_splitting_op for p in compiled.graph_compiler.result.pieces)
         for module in model.modules()
-        if (record := compiled_model(module)) is not None
+        if (compiled := module.__dict__.get("_compile_runtime")) is not None
+        and getattr(compiled, "graph_compiler", None) is not None
+        and compiled.graph_compiler.split_gm is not None
     ]
     return any(splits) if splits else None
 
@@ -261,7 +263,7 @@ class CompiledForward:
         bound = self.signature.bind(*args, **kwargs)
         self.none_pattern = self._record_none_pattern(bound)
         program = self._program_factors(bound.arguments)
-        if program is not None and self._load_program(*program):
+        if program is not None and saved_program.loading_allowed() and self._load_program(*program):
             return self.direct(*args, **kwargs)
         self.graph_compiler.want_program = program is not None
         for name, dims in self.dims.items():
@@ -332,7 +334,7 @@ class CompiledForward:
         model = self.forward.__self__
         self_name = next(iter(inspect.signature(type(model).forward).parameters))
         gather = saved_program.make_gather(program.record["inputs"], self_name, model)
-        run_graph = self.graph_compiler.split_gm.forward
+        run_graph = self.graph_compiler.split_gm.forward  # the saved program's split graph
         names = list(self.signature.parameters)
         signature = self.signature
         single = program.record["output"] == "single"

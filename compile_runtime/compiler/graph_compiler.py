@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import pickle
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from compile_runtime.compiler.split import (
     Piece,
     check_splitting_ops,
     direct_splitting_piece,
+    placeholder_names,
     split_graph,
 )
 from compile_runtime.config import CompilationConfig, CompilationMode
@@ -128,7 +128,8 @@ class GraphCompiler:
         self.split_gm: torch.fx.GraphModule | None = None
         self.result = CompileResult()
         self.runtimes: list[PiecewiseRuntime] = []
-        self.pieces: list[Piece] = []  # every piece with its FX graph before compilation
+        self._pieces: list[Piece] = []  # every piece with its FX graph before compilation
+        self._load_pieces: Callable[[], list[Piece]] | None = None
         self.cache: CacheEntry | None = None
         self.key_factors: dict[str, Any] | None = None
         self.traced_files: list[str] = []
@@ -168,7 +169,7 @@ class GraphCompiler:
         gm = self.pass_manager(gm)
         check_splitting_ops(self.splitting_ops)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
-        draft = self._start_draft(gm, split_gm)
+        draft = self._start_draft(gm, split_gm, pieces)
         num_splitting = sum(p.is_splitting_op for p in pieces)
         if self.splitting_ops and not num_splitting:
             logger.log(
@@ -188,7 +189,14 @@ class GraphCompiler:
         compiler = _PieceCompiler(split_gm, pieces, self)
         with fake_mode:
             compiler.run(*fake_args)
-        self._install(split_gm, pieces, compiler.runtimes)
+        self._install(
+            split_gm,
+            [(p.name, p.index, p.is_splitting_op) for p in pieces],
+            compiler.runtimes,
+            {p.name: direct_splitting_piece(p.graph) for p in pieces if p.is_splitting_op},
+            {p.name: placeholder_names(p.graph) for p in pieces if not p.is_splitting_op},
+        )
+        self.pieces = pieces
         self.result = CompileResult(
             pieces=compiler.records,
             unique_pieces=len(compiler.compiled),
@@ -223,28 +231,34 @@ class GraphCompiler:
 
     def _install(
         self,
-        split_gm: torch.fx.GraphModule,
-        pieces: list[Piece],
+        split_module: Any,
+        pieces: list[tuple[str, int, bool]],
         runtimes: dict[str, PiecewiseRuntime],
+        splitting: dict[str, Callable[..., Any]],
+        arg_names: dict[str, list[str]],
     ) -> None:
-        """Put every piece's runtime in place in the split graph (cold and warm start alike)."""
-        num_splitting = sum(p.is_splitting_op for p in pieces)
-        for piece in pieces:
-            if piece.is_splitting_op:
-                # An instance attribute wins over the submodule, which stays for printing.
-                split_gm.__dict__[piece.name] = direct_splitting_piece(piece.graph)
-        capturable = [p for p in pieces if not p.is_splitting_op]
-        for i, piece in enumerate(capturable):
-            runtime = runtimes[piece.name]
-            # A compiled artifact is not an nn.Module: put it in place through __dict__.
-            split_gm._modules.pop(piece.name)
+        """Put every piece's callable in place in the split graph (cold and warm start alike).
+
+        ``pieces``: (name, index, is splitting op) in order; ``splitting``: the callable
+        of each splitting piece; ``arg_names``: each static piece's input names.
+        """
+        num_splitting = sum(is_splitting for _, _, is_splitting in pieces)
+        capturable = [(name, index) for name, index, is_splitting in pieces if not is_splitting]
+        for name, fn in splitting.items():
+            # An instance attribute wins over the submodule, which stays for printing.
+            split_module.__dict__[name] = fn
+        for i, (name, index) in enumerate(capturable):
+            runtime = runtimes[name]
+            if isinstance(split_module, torch.fx.GraphModule):
+                # A compiled artifact is not an nn.Module: put it in place through __dict__.
+                split_module._modules.pop(name)
             # Unsplit, the one piece may hold attention: never a piecewise graph of it.
-            split_gm.__dict__[piece.name] = (
+            split_module.__dict__[name] = (
                 wrap_piece(
                     runtime,
                     self.config,
-                    graph=piece.graph,
-                    index=piece.index,
+                    arg_names=arg_names[name],
+                    index=index,
                     is_first=i == 0,
                     is_last=i == len(capturable) - 1,
                 )
@@ -252,15 +266,25 @@ class GraphCompiler:
                 else runtime
             )
             self.runtimes.append(runtime)
-        self.split_gm = split_gm
-        self.pieces = pieces
+        self.split_gm = split_module
+
+    @property
+    def pieces(self) -> list[Piece]:
+        """Every piece with its FX graph (after a warm start, unpickled when first asked for)."""
+        if self._load_pieces is not None:
+            self._pieces, self._load_pieces = self._load_pieces(), None
+        return self._pieces
+
+    @pieces.setter
+    def pieces(self, pieces: list[Piece]) -> None:
+        self._pieces, self._load_pieces = pieces, None
 
     # ---- the saved program (compiler/saved_program.py) -------------------------------------
 
     def _start_draft(
-        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule
-    ) -> tuple[bytes, list[str], int] | None:
-        """The split graph pickled before its pieces are replaced, the inputs' sources and
+        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule, pieces: list[Piece]
+    ) -> tuple[saved_program.ProgramCode, list[str], int] | None:
+        """The program's code (taken before the pieces are replaced), the inputs' sources and
         the number of outputs; None when no program is wanted or it cannot be saved."""
         if not self.want_program or self.cache is None:
             return None
@@ -268,18 +292,18 @@ class GraphCompiler:
             inputs = saved_program.draft_inputs(gm)
             (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
             num_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else 1
-            return pickle.dumps(split_gm), inputs, num_outputs
+            return saved_program.program_code(split_gm, pieces), inputs, num_outputs
         except Exception as e:  # noqa: BLE001 - any reason only means: trace at every start
             logger.info("%s: the trace is not saved as a program (%s)", self.model_tag, e)
             return None
 
     def _finish_draft(
         self,
-        draft: tuple[bytes, list[str], int],
+        draft: tuple[saved_program.ProgramCode, list[str], int],
         runtimes: dict[str, PiecewiseRuntime],
         records: list[PieceRecord],
     ) -> saved_program.ProgramDraft:
-        split_pickle, inputs, num_outputs = draft
+        code, inputs, num_outputs = draft
         table = [
             {
                 "name": name,
@@ -290,7 +314,7 @@ class GraphCompiler:
             for name, runtime in runtimes.items()
         ]
         return saved_program.ProgramDraft(
-            split_pickle=split_pickle,
+            code=code,
             inputs=inputs,
             num_outputs=num_outputs,
             pieces=table,
@@ -322,7 +346,7 @@ class GraphCompiler:
         try:
             runtimes: dict[str, PiecewiseRuntime] = {}
             loaded: dict[str, dict[int | None, Callable[..., Any]]] = {}
-            by_name = {r["name"]: r for r in record["records"]}
+            index_of = {r["name"]: r["index"] for r in record["records"]}
             for entry in record["pieces"]:
                 key = entry["hash"]
                 if key not in loaded:
@@ -338,20 +362,21 @@ class GraphCompiler:
                     loaded[key] = by_size
                 by_size = loaded[key]
                 runtimes[entry["name"]] = PiecewiseRuntime(
-                    index=by_name[entry["name"]]["index"],
+                    index=index_of[entry["name"]],
                     general=by_size[None],
                     exact={s: fn for s, fn in by_size.items() if s is not None},
                     locator=tuple(entry["locator"]) if entry["locator"] else None,
                     piece_hash=key,
                 )
-            split_gm = program.split_gm
-            pieces = [
-                Piece(
-                    r["name"], r["index"], split_gm.get_submodule(r["name"]), r["is_splitting_op"]
-                )
-                for r in record["records"]
-            ]
-            self._install(split_gm, pieces, runtimes)
+            code = program.code
+            self._install(
+                code.split_module(),
+                [(r["name"], r["index"], r["is_splitting_op"]) for r in record["records"]],
+                runtimes,
+                code.splitting_functions(),
+                code.arg_names,
+            )
+            self._load_pieces = code.pieces
             self.key_factors = record["entry_factors"]
             self.result = CompileResult(
                 pieces=[PieceRecord(**r) for r in record["records"]],
@@ -359,7 +384,7 @@ class GraphCompiler:
                 compile_sizes=list(self.config.compile_sizes),
                 seconds=time.perf_counter() - start,
             )
-            cache.commit(self._cache_summary(), self._readable_graph(split_gm))
+            cache.commit(self._cache_summary(), code.readable())
         finally:
             cache.release()
         compilation_counter.num_programs_loaded += 1

@@ -25,23 +25,28 @@ arguments are not saved, and trace at every start as before.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
+import functools
 import glob
 import hashlib
+import importlib
 import json
 import logging
 import os
 import pickle
 import re
 import sys
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from compile_runtime.cache.files import read_json, write_atomic, write_json
 from compile_runtime.cache.key import key_factors, portable_name
+from compile_runtime.compiler.split import Piece, direct_splitting_graph, placeholder_names
 
 logger = logging.getLogger(__name__)
 
@@ -153,12 +158,97 @@ def program_key(factors: dict[str, Any]) -> str:
 # ---- what the cold start saves -------------------------------------------------------------
 
 
+def _code_of(graph: torch.fx.GraphModule, what: str) -> tuple[str, dict[str, Any]]:
+    """The Python FX generates for ``graph``'s forward, with its globals by reference."""
+    if any(n.op == "get_attr" for n in graph.graph.nodes):
+        raise NotSaveable(f"the {what} reads attributes of its module")
+    code = graph.graph.python_code(root_module="self")
+    names: dict[str, Any] = {}
+    for name, value in code.globals.items():
+        if isinstance(value, types.ModuleType):
+            names[name] = ("module", value.__name__)
+        else:
+            try:
+                names[name] = ("object", pickle.dumps(value))
+            except Exception as e:  # noqa: BLE001
+                raise NotSaveable(f"the {what} uses {name!r}, which does not pickle ({e})") from e
+    return code.src, names
+
+
+def _function(src: str, names: dict[str, Any], filename: str) -> Callable[..., Any]:
+    namespace = {
+        name: importlib.import_module(value) if kind == "module" else pickle.loads(value)
+        for name, (kind, value) in names.items()
+    }
+    exec(compile(src, filename, "exec"), namespace)  # noqa: S102 - FX's code, from our cache
+    return namespace["forward"]
+
+
+class SavedModule:
+    """The split graph run from the code FX generated for it at the trace: its pieces are
+    attributes, as in the GraphModule it was (no FX, no tracing, at a warm start)."""
+
+    def __init__(self, src: str, names: dict[str, Any]):
+        self.code = src
+        self.forward = types.MethodType(_function(src, names, "<saved split graph>"), self)
+
+    def __call__(self, *args: Any) -> Any:
+        return self.forward(*args)
+
+
+@dataclasses.dataclass
+class ProgramCode:
+    """The program as code: the split graph's forward and every splitting piece's, as FX
+    wrote them; the FX graphs themselves (pickled) only for inspection (``compiled_model``,
+    ``verify``), unpickled when asked for since that costs time in proportion to depth."""
+
+    top: tuple[str, dict[str, Any]]
+    splitting: dict[str, tuple[str, dict[str, Any]]]
+    arg_names: dict[str, list[str]]  # each static piece's input names
+    graphs: bytes  # pickle of the split graph before its pieces were replaced
+    pieces_table: list[tuple[str, int, bool]]
+
+    def split_module(self) -> SavedModule:
+        return SavedModule(*self.top)
+
+    def splitting_functions(self) -> dict[str, Callable[..., Any]]:
+        return {
+            name: functools.partial(_function(src, names, f"<saved {name}>"), None)
+            for name, (src, names) in self.splitting.items()
+        }
+
+    def pieces(self) -> list[Piece]:
+        split_gm = pickle.loads(self.graphs)
+        return [
+            Piece(name, index, split_gm.get_submodule(name), is_splitting)
+            for name, index, is_splitting in self.pieces_table
+        ]
+
+    def readable(self) -> str:
+        return "# Split graph of a saved program\n" + self.top[0]
+
+
+def program_code(split_gm: torch.fx.GraphModule, pieces: list[Piece]) -> ProgramCode:
+    """The program of a split graph, taken before its pieces are replaced."""
+    return ProgramCode(
+        top=_code_of(split_gm, "split graph"),
+        splitting={
+            p.name: _code_of(direct_splitting_graph(p.graph), f"splitting piece {p.name}")
+            for p in pieces
+            if p.is_splitting_op
+        },
+        arg_names={p.name: placeholder_names(p.graph) for p in pieces if not p.is_splitting_op},
+        graphs=pickle.dumps(split_gm),
+        pieces_table=[(p.name, p.index, p.is_splitting_op) for p in pieces],
+    )
+
+
 @dataclasses.dataclass
 class ProgramDraft:
     """What the graph compiler knows of a program once the pieces are compiled; the output
     plan is added when the first call returns (``save``)."""
 
-    split_pickle: bytes
+    code: ProgramCode
     inputs: list[str]  # the source expression of every graph input
     num_outputs: int
     pieces: list[dict[str, Any]]  # the piece table (see GraphCompiler._piece_table)
@@ -215,17 +305,34 @@ def save(
         },
         "none_pattern": [list(p[:2]) + [repr(p[2]), p[3]] for p in none_pattern],
     }
-    write_atomic(os.path.join(draft.entry_dir, f"program-{key}.pkl"), draft.split_pickle)
+    write_atomic(os.path.join(draft.entry_dir, f"program-{key}.pkl"), pickle.dumps(draft.code))
     write_json(os.path.join(draft.entry_dir, f"program-{key}.json"), record)  # last: publishes
 
 
 # ---- what the warm start loads -------------------------------------------------------------
 
+_tracing_forced: list[bool] = []
+
+
+@contextlib.contextmanager
+def always_trace() -> Iterator[None]:
+    """Models first called inside trace (and save their program), loading none: what needs
+    the FX split graph at run time (``verify``) uses it."""
+    _tracing_forced.append(True)
+    try:
+        yield
+    finally:
+        _tracing_forced.pop()
+
+
+def loading_allowed() -> bool:
+    return not _tracing_forced
+
 
 @dataclasses.dataclass
 class SavedProgram:
     record: dict[str, Any]
-    split_gm: torch.fx.GraphModule
+    code: ProgramCode
     entry_dir: str
 
 
@@ -268,11 +375,13 @@ def find(root: str, key: str, rank: int, model_tag: str) -> SavedProgram | None:
                 reasons.append(stale)
                 continue
             with open(path[: -len(".json")] + ".pkl", "rb") as f:
-                split_gm = pickle.load(f)
+                code = pickle.load(f)
+            if not isinstance(code, ProgramCode):
+                raise TypeError(f"holds a {type(code).__name__}")
         except Exception as e:  # a damaged program is a miss: trace and save it again
             reasons.append(f"{path} does not load ({type(e).__name__}: {e})")
             continue
-        return SavedProgram(record, split_gm, os.path.dirname(path))
+        return SavedProgram(record, code, os.path.dirname(path))
     if reasons:
         logger.warning("%s: saved program not used (%s); tracing again", model_tag, reasons[0])
     return None

@@ -138,12 +138,12 @@ def split_graph(
     return split_gm, pieces
 
 
-def direct_splitting_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
-    """A splitting-op piece as a plain function that calls the attention op's body directly.
+def placeholder_names(graph: torch.fx.GraphModule) -> list[str]:
+    return [n.name for n in graph.graph.nodes if n.op == "placeholder"]
 
-    Skips ``nn.Module.__call__`` and the op's dispatch, which on a CPU decode step cost
-    about as much as the attention itself. Other splitting ops keep their dispatch.
-    """
+
+def direct_splitting_graph(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of a splitting-op piece whose attention op calls the layer's body directly."""
     graph = copy.deepcopy(graph)
     for node in graph.graph.nodes:
         if node.op == "call_function" and op_name(node) in (
@@ -152,4 +152,13 @@ def direct_splitting_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
         ):
             node.target = call_attention_layer
     graph.recompile()
-    return graph.forward
+    return graph
+
+
+def direct_splitting_piece(graph: torch.fx.GraphModule) -> Callable[..., Any]:
+    """A splitting-op piece as a plain function that calls the attention op's body directly.
+
+    Skips ``nn.Module.__call__`` and the op's dispatch, which on a CPU decode step cost
+    about as much as the attention itself. Other splitting ops keep their dispatch.
+    """
+    return direct_splitting_graph(graph).forward

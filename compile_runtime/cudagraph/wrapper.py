@@ -352,17 +352,15 @@ def wrap_piece(
     runtime: Callable[..., Any],
     config: CompilationConfig,
     *,
-    graph: torch.fx.GraphModule | None = None,
+    arg_names: list[str] | None = None,
     index: int,
     is_first: bool,
     is_last: bool,
 ) -> Callable[..., Any]:
-    """``runtime`` in a PIECEWISE wrapper when piecewise graphs are on, else as is."""
+    """``runtime`` in a PIECEWISE wrapper when piecewise graphs are on, else as is
+    (``arg_names``: the piece's input names, for error messages)."""
     if not piecewise_cudagraphs_enabled(config):
         return runtime
-    names = None
-    if graph is not None:
-        names = [n.name for n in graph.graph.nodes if n.op == "placeholder"]
     return CUDAGraphWrapper(
         runtime,
         CUDAGraphMode.PIECEWISE,
@@ -370,7 +368,7 @@ def wrap_piece(
         is_first_piece=is_first,
         is_last_piece=is_last,
         name=f"piece {index}",
-        arg_names=names,
+        arg_names=arg_names,
     )
 
 

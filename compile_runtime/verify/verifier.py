@@ -168,6 +168,12 @@ class _Verifier:
         check_graphs: bool | None,
     ):
         record = compiled_model(module)
+        if record is not None and not isinstance(record.split_gm, torch.fx.GraphModule):
+            raise VerifyError(
+                f"{type(module).__name__} was started from a saved program, which runs without "
+                "its FX graph; verify a model first called inside "
+                "compile_runtime.compiler.saved_program.always_trace() (verify_model_dir does)"
+            )
         if record is None:
             raise VerifyError(
                 f"{type(module).__name__} has no split graph (CompilationMode "
