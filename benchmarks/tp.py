@@ -69,7 +69,7 @@ def bench(model_dir: str, tp: int, backend: str, args: argparse.Namespace) -> di
     with tempfile.TemporaryDirectory() as cache_dir, tempfile.TemporaryDirectory() as inductor:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = inductor  # workers inherit it
         llm, cold = start(model_dir, tp, backend, cache_dir, args)
-        cold_compile = llm.compile_seconds
+        cold_compile = llm.startup.first_forward
         llm.shutdown()
         llm, warm = start(model_dir, tp, backend, cache_dir, args)
         row = {

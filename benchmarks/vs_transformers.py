@@ -218,7 +218,7 @@ class OursSide:
         start = time.perf_counter()
         self.llm = cr.LLM(model_dir, {**config, "cache_dir": self._cache.name}, **engine)
         self.build_s = time.perf_counter() - start
-        self.compile_s: float | None = self.llm.compile_seconds
+        self.compile_s: float | None = self.llm.startup.first_forward
 
     def run(self, row: Row) -> Run:
         prompts = [r.prompt for r in row.requests]

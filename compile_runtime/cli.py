@@ -146,9 +146,9 @@ def _generate(args: argparse.Namespace) -> int:
         stats = llm.last_stats
         print(
             f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s "
-            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps; "
-            f"compile {llm.compile_seconds:.2f} s"
+            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps"
         )
+        print(f"# {llm.startup.summary()}")
         if args.record_workload:
             llm.save_workload(args.record_workload)
             print(f"# workload histogram written to {args.record_workload}")

@@ -152,3 +152,35 @@ def test_a_damaged_program_traces_again_and_is_saved_anew(tmp_path, caplog):
     assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
     (record,) = tmp_path.glob("*/rank_0/*/program-*.json")
     assert json.loads(record.read_text())["output"] == "single"
+
+
+def test_the_engine_starts_warm_from_its_saved_program(model_dirs, tmp_path):
+    """Two `compile-runtime generate` processes: the second neither traces nor compiles, gives
+    the same tokens, and its start-up line says so."""
+    import os
+    import subprocess
+
+    env = {**os.environ, "COMPILE_RUNTIME_CACHE_DIR": str(tmp_path / "cache")}
+    command = [
+        sys.executable,
+        "-m",
+        "compile_runtime.cli",
+        "generate",
+        "--model",
+        model_dirs("llama"),
+        "--prompt",
+        "hello world",
+        "--max-tokens",
+        "6",
+        "--max-model-len",
+        "64",
+        "-O",
+        '{"backend": "inductor"}',
+    ]
+    runs = [subprocess.run(command, capture_output=True, text=True, env=env) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr[-2000:]
+    cold, warm = (r.stdout.splitlines() for r in runs)
+    assert cold[0] == warm[0]  # the same generated text
+    assert "trace" in cold[-1] and "compile" in cold[-1]
+    assert "saved program" in warm[-1] and "no trace, no compile" in warm[-1]

@@ -182,6 +182,22 @@ def is_traced(module: torch.nn.Module) -> bool:
     return bool(getattr(module.__dict__.get("_compile_runtime"), "traced", False))
 
 
+def _graph_compilers(model: torch.nn.Module) -> list[GraphCompiler]:
+    """The graph compilers of ``model``'s traced (or program-loaded) compiled forwards."""
+    return [
+        compiled.graph_compiler
+        for module in model.modules()
+        if (compiled := module.__dict__.get("_compile_runtime")) is not None
+        and getattr(compiled, "graph_compiler", None) is not None
+        and compiled.graph_compiler.split_gm is not None
+    ]
+
+
+def backend_seconds(model: torch.nn.Module) -> float:
+    """Seconds our backend spent on ``model``: compiling (or loading) its pieces."""
+    return sum(c.result.seconds for c in _graph_compilers(model))
+
+
 def attention_split(model: torch.nn.Module) -> bool | None:
     """Whether a compiled forward in ``model`` was split at a splitting op.
 
@@ -189,13 +205,7 @@ def attention_split(model: torch.nn.Module) -> bool | None:
     model is traced: piecewise CUDA graphs are only safe when the split really
     took attention out of the pieces. None when nothing in ``model`` is traced.
     """
-    splits = [
-        any(p.is_splitting_op for p in compiled.graph_compiler.result.pieces)
-        for module in model.modules()
-        if (compiled := module.__dict__.get("_compile_runtime")) is not None
-        and getattr(compiled, "graph_compiler", None) is not None
-        and compiled.graph_compiler.split_gm is not None
-    ]
+    splits = [any(p.is_splitting_op for p in c.result.pieces) for c in _graph_compilers(model)]
     return any(splits) if splits else None
 
 

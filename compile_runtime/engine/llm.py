@@ -39,7 +39,7 @@ from compile_runtime.config import (
 from compile_runtime.device import default_device
 from compile_runtime.executor import Executor, ExecutorError, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
-from compile_runtime.runner.model_runner import ModelRunner
+from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
@@ -150,6 +150,7 @@ class LLM:
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
+        logger.info(self.startup.summary())
 
     @property
     def runner(self) -> ModelRunner:
@@ -163,9 +164,9 @@ class LLM:
         return runner
 
     @property
-    def compile_seconds(self) -> float:
-        """Start-up compile time (the slowest rank)."""
-        return self.executor.compile_seconds
+    def startup(self) -> StartupTimes:
+        """Where start-up went (the slowest rank); ``startup.summary()`` is the start-up line."""
+        return self.executor.startup
 
     @property
     def workload(self):

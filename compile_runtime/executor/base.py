@@ -20,7 +20,7 @@ from compile_runtime.config import EngineConfig
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from compile_runtime.runner.model_runner import ModelRunner
+    from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
 
 
 class ExecutorError(RuntimeError):
@@ -44,8 +44,7 @@ class WorkerInfo:
     pid: int
     hostname: str
     num_blocks: int
-    load_seconds: float
-    compile_seconds: float
+    startup: StartupTimes
     counters: dict[str, int]  # compilation_counter changes during start-up
 
 
@@ -67,12 +66,9 @@ class Executor(abc.ABC):
         return min(info.num_blocks for info in self.workers_info)
 
     @property
-    def load_seconds(self) -> float:
-        return max(info.load_seconds for info in self.workers_info)
-
-    @property
-    def compile_seconds(self) -> float:
-        return max(info.compile_seconds for info in self.workers_info)
+    def startup(self) -> StartupTimes:
+        """The start-up of the slowest rank."""
+        return max((info.startup for info in self.workers_info), key=lambda t: t.total)
 
     @abc.abstractmethod
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:

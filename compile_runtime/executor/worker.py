@@ -101,8 +101,7 @@ class Worker:
             pid=os.getpid(),
             hostname=socket.gethostname(),
             num_blocks=self.runner.num_blocks,
-            load_seconds=self.runner.load_seconds,
-            compile_seconds=self.runner.compile_seconds,
+            startup=self.runner.startup,
             counters={k: after[k] - before[k] for k in after},
         )
 

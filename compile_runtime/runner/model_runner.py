@@ -33,8 +33,9 @@ from compile_runtime.attention.kv_cache import (
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.attention.metadata import AttentionMetadataBuilder
 from compile_runtime.backends.attention.registry import min_cg_support
-from compile_runtime.compiler.decorator import attention_split
+from compile_runtime.compiler.decorator import attention_split, backend_seconds
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
+from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, wrap_full_model
@@ -75,6 +76,35 @@ class ModelRunnerError(RuntimeError):
     pass
 
 
+@dataclass
+class StartupTimes:
+    """Where a runner's start-up went (seconds), for the one start-up line users see."""
+
+    weights: float = 0.0  # build the model and load its weights
+    first_forward: float = 0.0  # trace + compile, or load the saved program, + one forward
+    compile: float = 0.0  # of which our backend: passes, split, compile or load the pieces
+    saved_program: bool = False  # the first forward ran a saved program: no trace at all
+    kv_cache: float = 0.0
+    graphs: float = 0.0  # CUDA graph capture
+    num_blocks: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.first_forward + self.kv_cache + self.graphs
+
+    def summary(self) -> str:
+        if self.saved_program:
+            model = f"saved program {self.first_forward:.2f} s (no trace, no compile)"
+        else:
+            trace = max(self.first_forward - self.compile, 0.0)
+            model = f"trace {trace:.2f} s, compile {self.compile:.2f} s"
+        return (
+            f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, {model}, "
+            f"KV cache {self.kv_cache:.2f} s ({self.num_blocks} blocks), "
+            f"CUDA graphs {self.graphs:.2f} s"
+        )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -107,7 +137,7 @@ class ModelRunner:
             use_transformers=use_transformers,
             cpu_pack_weights=self.config.cpu_pack_weights,
         )
-        self.load_seconds = time.perf_counter() - start
+        self.startup = StartupTimes(weights=time.perf_counter() - start)
         self.layers = attention_layers(self.model)
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
@@ -149,7 +179,6 @@ class ModelRunner:
         self.workload = Workload()
         self.execute_state: ExecuteModelState | None = None
         self.num_blocks = 0
-        self.compile_seconds = 0.0
         self.capture_report: CaptureReport | None = None
 
     # ---- start-up ---------------------------------------------------------
@@ -157,9 +186,13 @@ class ModelRunner:
     def initialize(self) -> None:
         """Compile (first trace at the largest size), size and bind the KV cache, capture graphs."""
         start = time.perf_counter()
+        programs = compilation_counter.num_programs_loaded
         with torch.inference_mode():
             self._dummy_forward(self.max_num_tokens)
-        self.compile_seconds = time.perf_counter() - start
+        times = self.startup
+        times.first_forward = time.perf_counter() - start
+        times.saved_program = compilation_counter.num_programs_loaded > programs
+        times.compile = backend_seconds(self.model)
         if self.resolved.cudagraph_mode.has_piecewise_cudagraphs() and not attention_split(
             self.model
         ):  # the split took no attention out (or nothing was compiled): no piecewise graphs
@@ -169,7 +202,8 @@ class ModelRunner:
                 cuda_available=self.device.type == "cuda",
             )
             self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
-        self.num_blocks = self._num_kv_blocks()
+        start = time.perf_counter()
+        self.num_blocks = times.num_blocks = self._num_kv_blocks()
         caches = allocate_kv_cache(
             self.layers,
             self.num_blocks,
@@ -178,6 +212,7 @@ class ModelRunner:
             device=self.device,
         )
         bind_kv_cache(self.layers, caches)
+        times.kv_cache = time.perf_counter() - start
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens)",
             self.num_blocks,
@@ -185,10 +220,12 @@ class ModelRunner:
             (self.num_blocks - 1) * self.config.block_size,
         )
         if self.dispatcher.capture_descriptors():
+            start = time.perf_counter()
             with torch.inference_mode():
                 self.capture_report = capture(
                     self.forward_model, self._capture_inputs, self.dispatcher
                 )
+            times.graphs = time.perf_counter() - start
 
     def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
         """A forward without metadata: attention runs dense over the tokens, no cache."""
