@@ -5,7 +5,8 @@ float32 on every side), greedy decoding. For each configuration, the median
 milliseconds of one decode step at batch 1, 8 and 64 (``--batch-sizes``),
 side by side in one run:
 
-* ``eager``: ``cr.LLM`` with mode ``NONE`` (no compile, no graphs);
+* ``eager``: ``cr.LLM`` with mode ``NONE`` and cudagraph_mode ``NONE`` (no compile, no
+  graphs; mode ``NONE`` alone would still capture FULL graphs on a GPU);
 * ``piecewise``, ``full``, ``full_and_piecewise``: ``cr.LLM`` with mode
   ``PIECEWISE`` (Inductor) and that ``cudagraph_mode`` (``FULL_AND_PIECEWISE``
   is the default), graphs captured at ``CAPTURE_SIZES`` up to the largest batch;
@@ -28,7 +29,8 @@ configuration's tokens are compared with ``eager``'s (reported, never hidden).
 Results are written to JSON after every measurement, so a run cut short (or
 stopped by SIGTERM: the table of what was measured is still printed) keeps what
 it measured. One configuration failing (e.g. a FULL capture) is recorded with
-its error and the others still run; the exit status is 1 if any failed.
+its error and the others still run; the exit status is 1 if any failed (124 if
+stopped).
 
 Left out: start-up cost in the figures (reported apart: ``cr.LLM`` construction,
 which compiles and captures; transformers' load plus its compiling first calls),
@@ -66,7 +68,9 @@ from compile_runtime.testing.model_dirs import make_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = {
-    "eager": {"mode": "NONE"},
+    # cudagraph_mode too: with mode NONE alone, the default FULL_AND_PIECEWISE resolves to
+    # FULL graphs of the uncompiled model on a GPU.
+    "eager": {"mode": "NONE", "cudagraph_mode": "NONE"},
     "piecewise": {"mode": "PIECEWISE", "cudagraph_mode": "PIECEWISE"},
     "full": {"mode": "PIECEWISE", "cudagraph_mode": "FULL"},
     "full_and_piecewise": {"mode": "PIECEWISE", "cudagraph_mode": "FULL_AND_PIECEWISE"},
@@ -161,7 +165,7 @@ class Report:
 
     def record(self, name: str, batch: int, ms: float, tokens: list[list[int]]) -> None:
         entry = self.configs[name]
-        entry["decode_ms"][str(batch)] = round(ms, 4)
+        ms = entry["decode_ms"][str(batch)] = round(ms, 4)
         if name == "eager":
             self.reference[batch] = tokens
         elif batch in self.reference:
@@ -221,14 +225,15 @@ class Report:
                     cells.append(f"{ms:.3f}")
             print(f"| {batch} | " + " | ".join(cells) + " |")
         print()
-        print("| config | cudagraph mode | start-up s | tokens = eager | status |")
-        print("|---|---|---|---|---|")
+        print("| config | cudagraph mode | attention | start-up s | tokens = eager | status |")
+        print("|---|---|---|---|---|---|")
         for name, c in self.configs.items():
             match = ", ".join(f"b{b}: {m}" for b, m in c["tokens_match_eager"].items())
             status = c["status"] + (f": {c['error']}" if c.get("error") else "")
+            attention = ", ".join(c.get("attention", [])) or "-"
             print(
-                f"| {name} | {c.get('cudagraph_mode', '-')} | {c.get('startup_s', '-')} "
-                f"| {match or '-'} | {status} |"
+                f"| {name} | {c.get('cudagraph_mode', '-')} | {attention} "
+                f"| {c.get('startup_s', '-')} | {match or '-'} | {status} |"
             )
         for note in self.notes:
             print(f"\n{note}")
@@ -244,8 +249,14 @@ def run_ours(name: str, args: argparse.Namespace, model_dir: str, cache_dir: str
     try:
         entry["startup_s"] = round(time.perf_counter() - start, 2)
         try:
-            entry["cudagraph_mode"] = llm.runner.resolved.cudagraph_mode.name
-        except AttributeError:  # runners in worker processes
+            runner = llm.runner
+            entry["cudagraph_mode"] = runner.resolved.cudagraph_mode.name
+            entry["attention"] = sorted({layer.attn_backend.name for layer in runner.layers})
+        except AttributeError:  # runners in worker processes, or renamed internals
+            pass
+        try:  # where start-up went (compile, capture, ...), in the engine's own words
+            entry["startup_detail"] = llm.startup.summary()
+        except AttributeError:
             pass
         report.write()
         for batch, row in zip(
@@ -328,7 +339,9 @@ def main(argv: list[str] | None = None) -> int:
                     run_ours(name, args, model_dir, cache_dir, report)
             except Exception as e:  # one configuration failing must not hide the others
                 traceback.print_exc()
-                report.finish(name, "error", f"{type(e).__name__}: {str(e)[:300]}")
+                report.finish(
+                    name, "error", f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+                )
             else:
                 report.finish(name, "ok")
     except (Stopped, KeyboardInterrupt) as e:

@@ -88,7 +88,10 @@ class Bench:
             self.dispatcher = cr.CudagraphDispatcher(config)
             self.dispatcher.initialize_keys(config.cudagraph_mode)
             self.capture_report = capture(
-                self.model, lambda d, _mode: self.inputs(d.num_tokens), self.dispatcher, progress=False
+                self.model,
+                lambda d, _mode: self.inputs(d.num_tokens),
+                self.dispatcher,
+                progress=False,
             )
 
     def inputs(self, n: int) -> tuple[Any, ...]:
