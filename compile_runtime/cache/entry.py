@@ -249,6 +249,12 @@ class CacheEntry:
             self._rank0_lock.release()
             self._rank0_lock = None
 
+    def has(self, piece_hash: str, shape: int | None) -> bool:
+        """Whether a whole artifact for this piece and shape is here (nothing is loaded)."""
+        key = index_key(piece_hash, shape, self.adaptor.name)
+        record = self.index.get(key) or self.other_ranks.get(key)
+        return record is not None and verify_record(self.key_dir, record) is None
+
     def load(self, piece_hash: str, shape: int | None) -> Callable[..., Any] | None:
         """The saved callable for this piece and shape, or None (a miss)."""
         key = index_key(piece_hash, shape, self.adaptor.name)

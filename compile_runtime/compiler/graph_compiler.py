@@ -344,6 +344,19 @@ class GraphCompiler:
             rank,
         )
         try:
+            missing = [
+                e["hash"]
+                for e in record["pieces"]
+                for size in e["sizes"]
+                if not cache.has(e["hash"], size)
+            ]
+            if missing:  # checked first, so that a miss loads nothing it then loads again
+                logger.info(
+                    "%s: saved program not used (piece %s is not in the cache); tracing again",
+                    self.model_tag,
+                    missing[0],
+                )
+                return False
             runtimes: dict[str, PiecewiseRuntime] = {}
             loaded: dict[str, dict[int | None, Callable[..., Any]]] = {}
             index_of = {r["name"]: r["index"] for r in record["records"]}
@@ -352,7 +365,8 @@ class GraphCompiler:
                 if key not in loaded:
                     by_size = {size: cache.load(key, size) for size in entry["sizes"]}
                     if any(fn is None for fn in by_size.values()):
-                        logger.warning(
+                        # The entry said why (damaged, quarantined) when it was the cause.
+                        logger.info(
                             "%s: saved program not used (piece %s is not in the cache); "
                             "tracing again",
                             self.model_tag,

@@ -37,7 +37,8 @@ from compile_runtime.config import (
     parse_config,
 )
 from compile_runtime.device import default_device
-from compile_runtime.executor import Executor, ExecutorError, make_executor
+from compile_runtime.engine.core import EngineCore, StepError
+from compile_runtime.executor import Executor, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
 from compile_runtime.runner.request import Request
@@ -147,6 +148,7 @@ class LLM:
             max_model_len=runner_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
         )
+        self.core = EngineCore(self.scheduler, self.executor)
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
@@ -205,55 +207,38 @@ class LLM:
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
         requests = [
-            Request(
-                req_id=str(next(self._ids)),
-                prompt_token_ids=list(tokens),
-                sampling_params=p,
-                eos_token_id=self.eos_token_id,
-            )
+            self.make_request(list(tokens), p)
             for tokens, p in zip(token_lists, params, strict=True)
         ]
         for i, req in enumerate(requests):  # all checked before any is queued
             try:
-                self.scheduler.check_request(req)
+                self.core.check(req)
             except ValueError as e:
                 raise ValueError(
                     f"prompt {i} of {len(requests)}: {e} (nothing of this call was queued)"
                 ) from None
-        self.scheduler.add_requests(requests)
+        self.core.add(requests)
 
         stats = GenerateStats()
         first_token: dict[str, float] = {}
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
-        # The runner steps under torch.inference_mode (in whichever process it lives).
-        so = None
         try:
-            while self.scheduler.has_unfinished():
-                step_start = time.perf_counter()
-                so = None
-                so = self.scheduler.schedule()
-                self.executor.execute_model(so)
-                out = self.executor.sample_tokens()
+            while self.core.has_unfinished():
+                step = self.core.step()
                 now = time.perf_counter() - start
-                if so.num_scheduled_tokens and all(
-                    n == 1 for n in so.num_scheduled_tokens.values()
-                ):
-                    stats.decode_step_seconds.append(time.perf_counter() - step_start)
-                for req_id, token, lp in zip(
-                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
-                ):
-                    if token is not None:
-                        stats.output_tokens += 1
-                        first_token.setdefault(req_id, now)
-                        if lp is not None and req_id in logprobs:
-                            logprobs[req_id].append(lp)
-                finished = self.scheduler.update_from_output(so, out)
-                bar.update(len(finished))
+                if step.decode_only:
+                    stats.decode_step_seconds.append(step.seconds)
+                for req_id, _, lp in step.tokens:
+                    stats.output_tokens += 1
+                    first_token.setdefault(req_id, now)
+                    if lp is not None and req_id in logprobs:
+                        logprobs[req_id].append(lp)
+                bar.update(len(step.finished))
                 stats.steps += 1
         except BaseException as e:
-            error = self._abort_call(requests, so, stats.steps + 1, e)
+            error = self._abort_call(requests, stats.steps + 1, e)
             if error is None:
                 raise
             raise error from e
@@ -277,17 +262,25 @@ class LLM:
             for r in requests
         ]
 
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """A request with a fresh id, this model's EOS, not yet checked or queued."""
+        return Request(
+            req_id=str(next(self._ids)),
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_id=self.eos_token_id,
+        )
+
     def _abort_call(
-        self, requests: list[Request], so, step: int, error: BaseException
+        self, requests: list[Request], step: int, error: BaseException
     ) -> StepFailedError | None:
-        """Abort every unfinished request of a failed call: blocks freed, and the runner
-        drops them (whatever state the failure left them in) at the next step. The error to raise instead of ``error``, or None to re-raise it:
+        """Abort every unfinished request of a failed call (blocks freed; the runner drops them
+        at the next step). The error to raise instead of ``error``, or None to re-raise it:
         the executor is gone, or the caller interrupted."""
-        failed = list(so.num_scheduled_tokens) if so is not None else []
-        aborted = [
-            r.req_id for r in self.scheduler.abort_requests(list(self.scheduler.requests), so)
-        ]
-        if not isinstance(error, Exception) or isinstance(error, ExecutorError):
+        failed = error.failed_req_ids if isinstance(error, StepError) else []
+        aborted = [r.req_id for r in self.core.abort(list(self.scheduler.requests))]
+        aborted = failed + [r for r in aborted if r not in failed]
+        if not isinstance(error, StepError):
             logger.error("generate() aborted %d request(s): %s", len(aborted), error)
             return None
         index = {r.req_id: i for i, r in enumerate(requests)}
@@ -297,8 +290,9 @@ class LLM:
             if failed
             else "scheduling"
         )
+        cause = error.cause
         return StepFailedError(
-            f"step {step} of generate() failed on {what}: {type(error).__name__}: {error}; "
+            f"step {step} of generate() failed on {what}: {type(cause).__name__}: {cause}; "
             f"aborted {len(aborted)} unfinished request(s) of this call and freed their KV "
             "cache blocks; the engine is ready for the next generate()",
             failed_req_ids=failed,

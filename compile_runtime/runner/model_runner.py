@@ -70,6 +70,7 @@ class ExecuteModelState:
     req_ids: list[str]
     logits: torch.Tensor | None  # [num requests that sample, vocab]; None on ranks > 0
     sampling_req_ids: list[str]  # requests whose prompt is complete: they get a token
+    runtime_mode: str | None = None
 
 
 class ModelRunnerError(RuntimeError):
@@ -417,6 +418,7 @@ class ModelRunner:
             req_ids=req_ids,
             logits=logits,
             sampling_req_ids=[req_ids[i] for i in sampling_idx],
+            runtime_mode=mode.name,
         )
 
     def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, list]:
@@ -447,7 +449,7 @@ class ModelRunner:
         if state is None:
             raise ModelRunnerError("sample_tokens() needs a preceding execute_model()")
         self.execute_state = None
-        output = ModelRunnerOutput(req_ids=list(state.req_ids))
+        output = ModelRunnerOutput(req_ids=list(state.req_ids), runtime_mode=state.runtime_mode)
         sampled: dict[str, tuple[int, object]] = {}
         if state.sampling_req_ids and state.logits is None:  # a rank > 0: rank 0 samples
             tokens = torch.empty(len(state.sampling_req_ids), dtype=torch.long, device=self.device)

@@ -60,3 +60,4 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int | None] = field(default_factory=list)
     # (chosen token logprob, [(token, logprob), ...] top-k) when asked for.
     logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    runtime_mode: str | None = None  # the CUDA graph mode the step ran in (for metrics)

@@ -1,0 +1,102 @@
+"""The engine's step loop body, shared by offline ``LLM.generate`` and the online server.
+
+``EngineCore`` owns the scheduler and the executor and knows nothing of who
+waits for the tokens: ``step()`` schedules, runs the model on every rank,
+advances the scheduler and returns what each request got this step. Requests
+are added and aborted between steps (an abort frees the request's KV blocks at
+once; the runner drops its state at the next step).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from compile_runtime.executor import Executor, ExecutorError
+from compile_runtime.runner.request import Request
+from compile_runtime.runner.scheduler import Scheduler
+
+
+class StepError(RuntimeError):
+    """A step raised; the requests it ran were aborted (blocks freed), the others go on."""
+
+    def __init__(self, message: str, failed_req_ids: list[str], cause: BaseException):
+        super().__init__(message)
+        self.failed_req_ids = failed_req_ids
+        self.cause = cause
+
+
+@dataclass
+class StepOutput:
+    # (request id, sampled token, logprobs or None) for every request that got a token.
+    tokens: list[tuple[str, int, object]] = field(default_factory=list)
+    finished: list[Request] = field(default_factory=list)
+    decode_only: bool = False  # every scheduled request decoded one token
+    num_scheduled_tokens: int = 0
+    seconds: float = 0.0
+    runtime_mode: str | None = None  # the CUDA graph mode the step ran in (rank 0)
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, executor: Executor):
+        self.scheduler = scheduler
+        self.executor = executor
+
+    def check(self, request: Request) -> None:
+        """ValueError naming what is wrong with ``request`` (nothing is queued)."""
+        self.scheduler.check_request(request)
+
+    def add(self, requests: list[Request]) -> None:
+        self.scheduler.add_requests(requests)
+
+    def abort(self, req_ids: list[str]) -> list[Request]:
+        """Drop unfinished requests now: their blocks are free before this returns."""
+        return self.scheduler.abort_requests(req_ids)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_blocks_in_use(self) -> int:
+        pool = self.scheduler.block_pool
+        return pool.num_usable - pool.num_free
+
+    def step(self) -> StepOutput:
+        """One scheduler step through the model. A failing step aborts the requests it ran and
+        raises ``StepError``; ``ExecutorError`` (the workers are gone) and interrupts pass
+        through (an interrupt after aborting the step's requests)."""
+        start = time.perf_counter()
+        so = None
+        try:
+            so = self.scheduler.schedule()
+            self.executor.execute_model(so)
+            out = self.executor.sample_tokens()
+            finished = self.scheduler.update_from_output(so, out)
+        except BaseException as e:
+            if isinstance(e, ExecutorError):
+                raise
+            failed = list(so.num_scheduled_tokens) if so is not None else []
+            self.scheduler.abort_requests(failed, so)
+            if not isinstance(e, Exception):  # the caller interrupted: theirs to handle
+                raise
+            raise StepError(
+                f"step failed on request(s) {', '.join(failed) or '(none: scheduling)'}: "
+                f"{type(e).__name__}: {e}",
+                failed,
+                e,
+            ) from e
+        counts = so.num_scheduled_tokens
+        return StepOutput(
+            tokens=[
+                (req_id, token, lp)
+                for req_id, token, lp in zip(
+                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
+                )
+                if token is not None
+            ],
+            finished=finished,
+            decode_only=bool(counts) and all(n == 1 for n in counts.values()),
+            num_scheduled_tokens=sum(counts.values()),
+            seconds=time.perf_counter() - start,
+            runtime_mode=out.runtime_mode,
+        )
