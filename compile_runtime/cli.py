@@ -113,11 +113,11 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace):
+    """The ``LLM`` the engine arguments describe (``add_engine_arguments``)."""
     from compile_runtime.engine.llm import LLM
-    from compile_runtime.runner.sampling_params import SamplingParams
 
-    llm = LLM(
+    return LLM(
         args.model,
         parse_config(args.compilation_config),
         dtype=args.dtype,
@@ -130,6 +130,12 @@ def _generate(args: argparse.Namespace) -> int:
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,
     )
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from compile_runtime.runner.sampling_params import SamplingParams
+
+    llm = _engine(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -181,35 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     show.set_defaults(func=_config_show)
 
     gen = sub.add_parser("generate", help="generate text from a model directory")
-    gen.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    add_engine_arguments(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
-    gen.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
     gen.add_argument("--max-tokens", type=positive_int, default=32)
     gen.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0)
     gen.add_argument("--top-k", type=_int_at_least(0), default=0, help="0: off")
     gen.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    gen.add_argument(
-        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"
-    )
-    gen.add_argument("--max-num-seqs", type=positive_int, default=16)
-    gen.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
-    gen.add_argument(
-        "--max-model-len", type=positive_int, default=512, help="prompt + output tokens per request"
-    )
-    gen.add_argument("--use-transformers", action="store_true", help="run through the adapter")
-    gen.add_argument("--tensor-parallel-size", type=positive_int, default=1)
-    gen.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
-    gen.add_argument(
-        "--num-threads",
-        type=positive_int,
-        default=None,
-        help="CPU threads (default: the free cores)",
-    )
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server on a model directory")
+    add_engine_arguments(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=_int_at_least(0), default=8000)
+    serve.add_argument(
+        "--served-model-name", default=None, help="the model id clients ask for (default: DIR)"
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=positive_int,
+        default=256,
+        help="requests waiting for their first step before new ones get a 503",
+    )
+    serve.set_defaults(func=_serve)
 
     from compile_runtime.cache.cli import register as register_cache
 
@@ -221,6 +223,36 @@ def build_parser() -> argparse.ArgumentParser:
 
     register_check(sub)
     return parser
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """What builds the engine (``_engine``), shared by ``generate`` and ``serve``."""
+    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"
+    )
+    p.add_argument("--max-num-seqs", type=positive_int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
+    p.add_argument(
+        "--max-model-len", type=positive_int, default=512, help="prompt + output tokens per request"
+    )
+    p.add_argument("--use-transformers", action="store_true", help="run through the adapter")
+    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--distributed-executor-backend", choices=["mp", "ray"], default=None)
+    p.add_argument(
+        "--num-threads",
+        type=positive_int,
+        default=None,
+        help="CPU threads (default: the free cores)",
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from compile_runtime.server.run import serve
+
+    return serve(args, _engine(args))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,214 @@
+"""The online engine: one step loop per process, requests joining and leaving while it runs.
+
+A background thread owns the ``EngineCore`` (scheduler, executor): it takes new
+requests and aborts from an inbox between steps, runs a step whenever anything
+is unfinished and sleeps otherwise, and hands each request's tokens to its
+``RequestStream`` as they are sampled. Callers live on an asyncio loop: they
+``submit`` a request and iterate its stream; leaving the iteration early (a
+client that went away) aborts the request, which frees its KV blocks at the
+next turn of the loop. Requests waiting for their first step are counted, and
+past ``max_waiting`` a new one is refused (``EngineOverloadedError``) instead of
+queueing without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from compile_runtime.engine.core import EngineCore, StepError, StepOutput
+from compile_runtime.runner.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloadedError(RuntimeError):
+    """Too many requests are waiting; try again later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped (its executor failed or it was shut down)."""
+
+
+@dataclass
+class TokenEvent:
+    token: int
+    logprobs: object = None
+
+
+@dataclass
+class FinishEvent:
+    reason: str  # "stop", "length", "abort"
+
+
+@dataclass
+class ErrorEvent:
+    message: str
+
+
+Event = TokenEvent | FinishEvent | ErrorEvent
+
+
+class RequestStream:
+    """One request's events, pushed from the engine thread, read on the caller's loop."""
+
+    def __init__(self, request: Request, loop: asyncio.AbstractEventLoop):
+        self.request = request
+        self.loop = loop
+        self.queue: asyncio.Queue[Event] = asyncio.Queue()
+        self.submitted = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+        self.waiting = True  # counted in AsyncEngine.num_waiting until its first event
+
+    def push(self, event: Event) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
+
+
+StepHook = Callable[[StepOutput, "AsyncEngine"], None]
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, *, max_waiting: int = 256):
+        self.core = core
+        self.max_waiting = max_waiting
+        self.streams: dict[str, RequestStream] = {}  # engine thread only (after the inbox)
+        self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._num_waiting = 0  # submitted, not yet given a token or finished (under _lock)
+        self._stopping = False
+        self._dead: str | None = None
+        self.step_hooks: list[StepHook] = []
+        self.token_hooks: list[Callable[[RequestStream, float], None]] = []
+        self.abort_hooks: list[Callable[[RequestStream], None]] = []
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    # ---- caller side (any thread; streams are read on an asyncio loop) ------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a checked request; its events arrive on the returned stream."""
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        if self._stopping:
+            raise EngineOverloadedError("the server is shutting down")
+        with self._lock:
+            if self._num_waiting >= self.max_waiting:
+                raise EngineOverloadedError(
+                    f"{self._num_waiting} requests are waiting (max_waiting={self.max_waiting})"
+                )
+            self._num_waiting += 1
+        stream = RequestStream(request, asyncio.get_running_loop())
+        self._inbox.put(("add", stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id))
+        self._wake.set()
+
+    async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
+        """The stream's events up to its finish; leaving early aborts the request."""
+        done = False
+        try:
+            while True:
+                event = await stream.queue.get()
+                yield event
+                if not isinstance(event, TokenEvent):
+                    done = True
+                    return
+        finally:
+            if not done:
+                self.abort(stream.request.req_id)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Finish what is running (no new requests), then stop the loop."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    # ---- engine thread ------------------------------------------------------------------
+
+    def _not_waiting(self, stream: RequestStream) -> None:
+        if stream.waiting:
+            stream.waiting = False
+            with self._lock:
+                self._num_waiting -= 1
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                stream = item
+                self.streams[stream.request.req_id] = stream
+                self.core.add([stream.request])
+            else:
+                stream = self.streams.pop(item, None)
+                if stream is not None:
+                    self.core.abort([item])
+                    self._not_waiting(stream)
+                    for hook in self.abort_hooks:
+                        hook(stream)
+                    stream.push(FinishEvent("abort"))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                self._drain_inbox()
+                if not self.core.has_unfinished():
+                    if self._stopping:
+                        return
+                    self._wake.wait(0.5)
+                    self._wake.clear()
+                    continue
+                try:
+                    out = self.core.step()
+                except StepError as e:
+                    logger.error("%s", e)
+                    for req_id in e.failed_req_ids:
+                        stream = self.streams.pop(req_id, None)
+                        if stream is not None:
+                            self._not_waiting(stream)
+                            stream.push(ErrorEvent(str(e)))
+                    continue
+                self._deliver(out)
+        except BaseException as e:  # the executor is gone: nothing can be served any more
+            self._dead = f"the engine loop stopped: {type(e).__name__}: {e}"
+            logger.exception("engine loop stopped")
+            for stream in self.streams.values():
+                stream.push(ErrorEvent(self._dead))
+            self.streams.clear()
+
+    def _deliver(self, out: StepOutput) -> None:
+        now = time.perf_counter()
+        for req_id, token, logprobs in out.tokens:
+            stream = self.streams.get(req_id)
+            if stream is None:
+                continue
+            self._not_waiting(stream)
+            for hook in self.token_hooks:
+                hook(stream, now)
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+            stream.last_token_at = now
+            stream.push(TokenEvent(token, logprobs))
+        for request in out.finished:
+            stream = self.streams.pop(request.req_id, None)
+            if stream is not None:
+                self._not_waiting(stream)
+                stream.push(FinishEvent(request.finish_reason or "stop"))
+        for hook in self.step_hooks:
+            hook(out, self)

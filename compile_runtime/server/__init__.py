@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (``compile-runtime serve``) on the online engine."""

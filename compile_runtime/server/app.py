@@ -1,0 +1,470 @@
+"""``compile-runtime serve``: the OpenAI HTTP API over one online engine.
+
+``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events
+ending with ``data: [DONE]``, or whole), ``/v1/models``, ``/health`` and
+``/metrics`` (Prometheus). Every request is checked before it is queued; a bad
+one is a 400 with an OpenAI-style error body, never a 500, and the server goes
+on. Past ``max_waiting`` queued requests a new one is a 503. A streaming client
+that goes away aborts its request (its KV blocks are freed at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from compile_runtime.engine.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineOverloadedError,
+    ErrorEvent,
+    FinishEvent,
+    RequestStream,
+    TokenEvent,
+)
+from compile_runtime.engine.llm import LLM
+from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.server.metrics import ServerMetrics
+from compile_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+)
+
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {400: "invalid_request_error", 404: "not_found_error", 503: "overloaded_error"}.get(
+        status, "server_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+# ---- text of one choice: incremental detokenization and stop strings ---------------------
+
+
+@dataclass
+class Choice:
+    index: int
+    stream: RequestStream
+    stop: list[str]
+    tokenizer: Any
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)
+    text: str = ""  # decoded so far, cut at a stop string
+    sent: int = 0  # characters of text already streamed
+    finish_reason: str | None = None
+
+    def add(self, event: TokenEvent) -> None:
+        self.token_ids.append(event.token)
+        if event.logprobs is not None:
+            self.logprobs.append(event.logprobs)
+        if self.tokenizer is None:
+            return
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        for s in self.stop:
+            at = self.text.find(s, max(0, self.sent - len(s)))
+            if at != -1:
+                self.text = self.text[:at]
+                self.finish_reason = "stop"
+
+    def ready_text(self, final: bool) -> str:
+        """Text not streamed yet, holding back what may still become a stop string or is a
+        partial character."""
+        end = len(self.text)
+        if not final:
+            if self.text.endswith("\ufffd"):
+                end -= 1
+            hold = max((len(s) - 1 for s in self.stop), default=0)
+            end = max(self.sent, end - hold)
+        piece = self.text[self.sent : end]
+        self.sent = end
+        return piece
+
+
+class Server:
+    def __init__(self, llm: LLM, *, model_name: str, max_waiting: int = 256):
+        self.llm = llm
+        self.model_name = model_name
+        self.max_waiting = max_waiting
+        self.engine: AsyncEngine | None = None
+        self.metrics: ServerMetrics | None = None
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        self.engine = AsyncEngine(self.llm.core, max_waiting=self.max_waiting)
+        self.metrics = ServerMetrics(self.engine)
+
+    def stop(self) -> None:
+        if self.engine is not None:
+            self.engine.shutdown()
+        self.llm.shutdown()
+
+    # ---- requests ---------------------------------------------------------------------
+
+    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+        if body.model != self.model_name:
+            raise APIError(
+                400, f"model {body.model!r} is not served here; use {self.model_name!r}", "model"
+            )
+        bias: dict[int, float] = {}
+        for key, value in (body.logit_bias or {}).items():
+            try:
+                bias[int(key)] = value
+            except ValueError:
+                raise APIError(
+                    400, f"logit_bias key {key!r} is not a token id", "logit_bias"
+                ) from None
+        try:
+            return [
+                SamplingParams(
+                    temperature=body.temperature,
+                    top_p=body.top_p,
+                    top_k=body.top_k,
+                    max_tokens=max_tokens,
+                    seed=None if body.seed is None else body.seed + i,
+                    frequency_penalty=body.frequency_penalty,
+                    presence_penalty=body.presence_penalty,
+                    logit_bias=bias,
+                    logprobs=logprobs,
+                    ignore_eos=body.ignore_eos,
+                )
+                for i in range(body.n)
+            ]
+        except ValidationError as e:
+            raise APIError(400, str(e).splitlines()[-1].strip()) from None
+
+    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], stop: list[str]):
+        """Check every request of the call, then queue them all (or none)."""
+        engine = self.engine
+        requests = [self.llm.make_request(p, sp) for p in prompts for sp in params]
+        for r in requests:
+            try:
+                self.llm.core.check(r)
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(sum(len(p) for p in prompts) * len(params))
+        choices = []
+        try:
+            for i, r in enumerate(requests):
+                choices.append(Choice(i, engine.submit(r), stop, self.llm.tokenizer))
+        except (EngineOverloadedError, EngineDeadError) as e:
+            for c in choices:
+                engine.abort(c.stream.request.req_id)
+            raise APIError(503, str(e)) from None
+        return choices
+
+    async def _run_choice(self, choice: Choice, on_text=None) -> None:
+        async for event in self.engine.events(choice.stream):
+            if isinstance(event, TokenEvent):
+                choice.add(event)
+                if choice.finish_reason == "stop":  # a stop string: this request is done
+                    self.engine.abort(choice.stream.request.req_id)
+                    break
+                if on_text is not None:
+                    await on_text(choice, False)
+            elif isinstance(event, FinishEvent):
+                choice.finish_reason = "length" if event.reason == "length" else "stop"
+                if event.reason == "abort":
+                    choice.finish_reason = "abort"
+            elif isinstance(event, ErrorEvent):
+                raise APIError(500, event.message)
+        if on_text is not None:
+            await on_text(choice, True)
+
+    async def _collect(self, choices: list[Choice]) -> None:
+        tasks = [asyncio.ensure_future(self._run_choice(c)) for c in choices]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _stream(self, choices: list[Choice], make_chunk, usage: dict | None) -> AsyncIterator[str]:
+        """Server-sent events of every choice as its text arrives, then ``[DONE]``."""
+        out: asyncio.Queue[str | None] = asyncio.Queue()
+
+        async def on_text(choice: Choice, final: bool) -> None:
+            piece = choice.ready_text(final)
+            if piece or final:
+                chunk = make_chunk(choice, piece, choice.finish_reason if final else None)
+                await out.put(f"data: {json.dumps(chunk)}\n\n")
+
+        async def run_all() -> None:
+            try:
+                await asyncio.gather(*(self._run_choice(c, on_text) for c in choices))
+            except APIError as e:
+                await out.put(f"data: {json.dumps(error_body(e.status, e.message))}\n\n")
+            finally:
+                await out.put(None)
+
+        async def events() -> AsyncIterator[str]:
+            task = asyncio.ensure_future(run_all())
+            try:
+                while (item := await out.get()) is not None:
+                    yield item
+                if usage is not None:
+                    yield f"data: {json.dumps(usage(choices))}\n\n"
+                yield "data: [DONE]\n\n"
+            finally:
+                task.cancel()  # the client went away: the choices' streams abort their requests
+                with contextlib.suppress(BaseException):
+                    await task
+
+        return events()
+
+    @staticmethod
+    def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
+        prompt = sum(len(p) for p in prompts)
+        completion = sum(len(c.token_ids) for c in choices)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+
+    def _completion_logprobs(self, choice: Choice) -> dict[str, Any] | None:
+        if not choice.logprobs:
+            return None
+        tok = self.llm.tokenizer
+
+        def text(t: int) -> str:
+            return tok.decode([t]) if tok is not None else str(t)
+
+        return {
+            "tokens": [text(t) for t in choice.token_ids],
+            "token_logprobs": [lp[0] for lp in choice.logprobs],
+            "top_logprobs": [{text(t): v for t, v in lp[1]} for lp in choice.logprobs],
+            "text_offset": [],
+        }
+
+    def _prompts(self, prompt: Any) -> list[list[int]]:
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        elif prompt and isinstance(prompt[0], int):
+            prompt = [prompt]
+        if not prompt:
+            raise APIError(400, "prompt is empty", "prompt")
+        out = []
+        for p in prompt:
+            if isinstance(p, str):
+                if self.llm.tokenizer is None:
+                    raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
+                out.append(self.llm.tokenizer(p)["input_ids"])
+            else:
+                out.append(list(p))
+        return out
+
+    async def completions(self, body: CompletionRequest) -> Any:
+        prompts = self._prompts(body.prompt)
+        params = self._params(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS, body.logprobs)
+        choices = self._submit(prompts, params, body.stop_strings())
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def payload(choices_json: list[dict], usage: dict | None = None) -> dict:
+            out = {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": self.model_name,
+                "choices": choices_json,
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            want_usage = body.stream_options is not None and body.stream_options.include_usage
+
+            def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
+                return payload(
+                    [{"index": choice.index, "text": piece, "logprobs": None,
+                      "finish_reason": finish}]
+                )  # fmt: skip
+
+            usage = (lambda cs: payload([], self._usage(prompts, cs))) if want_usage else None
+            return StreamingResponse(
+                self._stream(choices, chunk, usage), media_type="text/event-stream"
+            )
+        await self._collect(choices)
+        return payload(
+            [
+                {
+                    "index": c.index,
+                    "text": c.text,
+                    "logprobs": self._completion_logprobs(c),
+                    "finish_reason": c.finish_reason,
+                    "token_ids": c.token_ids,
+                }
+                for c in choices
+            ],
+            self._usage(prompts, choices),
+        )
+
+    async def chat(self, body: ChatCompletionRequest) -> Any:
+        tok = self.llm.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise APIError(
+                400,
+                "this model has no chat template (tokenizer_config.json chat_template); "
+                "use /v1/completions",
+                "messages",
+            )
+        messages = [
+            {
+                "role": m.role,
+                "content": m.content
+                if isinstance(m.content, str)
+                else "".join(p.get("text", "") for p in m.content),
+            }
+            for m in body.messages
+        ]
+        try:
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's problem
+            raise APIError(400, f"the chat template failed: {e}", "messages") from None
+        if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        max_tokens = body.max_completion_tokens or body.max_tokens
+        if max_tokens is None:
+            max_tokens = self.llm.runner_config.max_model_len - len(ids)
+            if max_tokens < 1:
+                raise APIError(400, "the messages fill max_model_len", "messages")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = self._params(body, max_tokens, logprobs)
+        choices = self._submit([list(ids)], params, body.stop_strings())
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+        def payload(obj: str, choices_json: list[dict], usage: dict | None = None) -> dict:
+            out = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices_json,
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        if body.stream:
+            want_usage = body.stream_options is not None and body.stream_options.include_usage
+            started: set[int] = set()
+
+            def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
+                delta: dict[str, Any] = {"content": piece}
+                if choice.index not in started:
+                    started.add(choice.index)
+                    delta["role"] = "assistant"
+                return payload(
+                    "chat.completion.chunk",
+                    [{"index": choice.index, "delta": delta, "finish_reason": finish}],
+                )
+
+            usage = (
+                (lambda cs: payload("chat.completion.chunk", [], self._usage([ids], cs)))
+                if want_usage
+                else None
+            )
+            return StreamingResponse(
+                self._stream(choices, chunk, usage), media_type="text/event-stream"
+            )
+        await self._collect(choices)
+        return payload(
+            "chat.completion",
+            [
+                {
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": c.text},
+                    "finish_reason": c.finish_reason,
+                    "logprobs": None,
+                }
+                for c in choices
+            ],
+            self._usage([ids], choices),
+        )
+
+
+def build_app(server: Server) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.stop)  # running requests finish first
+
+    app = FastAPI(title="compile_runtime", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(error_body(e.status, e.message, e.param), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        message = f"{where}: {first.get('msg', 'invalid request')}" if where else str(e)
+        return JSONResponse(error_body(400, message, where or None), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> JSONResponse:
+        return JSONResponse(error_body(500, f"{type(e).__name__}: {e}"), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        engine = server.engine
+        if engine is None or engine._dead is not None:
+            return JSONResponse({"status": "dead"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        server.metrics.refresh(server.engine)
+        return Response(server.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": server.model_name,
+                    "object": "model",
+                    "created": server.created,
+                    "owned_by": "compile_runtime",
+                    "max_model_len": server.llm.runner_config.max_model_len,
+                }
+            ],
+        }
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> Any:
+        return await server.completions(body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest) -> Any:
+        return await server.chat(body)
+
+    return app

@@ -1,0 +1,35 @@
+"""Run the server: uvicorn on the app, SIGTERM drains running requests, then exits."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from compile_runtime.engine.llm import LLM
+
+logger = logging.getLogger(__name__)
+
+
+def serve(args: argparse.Namespace, llm: LLM) -> int:
+    import uvicorn
+
+    from compile_runtime.server.app import Server, build_app
+
+    server = Server(
+        llm, model_name=args.served_model_name or args.model, max_waiting=args.max_waiting
+    )
+    app = build_app(server)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        timeout_graceful_shutdown=None,  # SIGTERM: stop accepting, let running requests finish
+    )
+    print(
+        f"# {llm.startup.summary()}\n# serving {server.model_name!r} on "
+        f"http://{args.host}:{args.port}/v1",
+        flush=True,
+    )
+    uvicorn.Server(config).run()
+    return 0
