@@ -193,6 +193,16 @@ class AsyncEngine:
             self.streams.clear()
 
     def _deliver(self, out: StepOutput) -> None:
+        """Hand the step's events to their streams: one wake-up of each caller loop per step,
+        not one per token."""
+        batches: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, Event]]] = {}
+        self._collect_events(out, batches)
+        for loop, items in batches.items():
+            loop.call_soon_threadsafe(_put_all, items)
+        for hook in self.step_hooks:
+            hook(out, self)
+
+    def _collect_events(self, out: StepOutput, batches: dict) -> None:
         now = time.perf_counter()
         for req_id, token, logprobs in out.tokens:
             stream = self.streams.get(req_id)
@@ -204,11 +214,15 @@ class AsyncEngine:
             if stream.first_token_at is None:
                 stream.first_token_at = now
             stream.last_token_at = now
-            stream.push(TokenEvent(token, logprobs))
+            batches.setdefault(stream.loop, []).append((stream, TokenEvent(token, logprobs)))
         for request in out.finished:
             stream = self.streams.pop(request.req_id, None)
             if stream is not None:
                 self._not_waiting(stream)
-                stream.push(FinishEvent(request.finish_reason or "stop"))
-        for hook in self.step_hooks:
-            hook(out, self)
+                event = FinishEvent(request.finish_reason or "stop")
+                batches.setdefault(stream.loop, []).append((stream, event))
+
+
+def _put_all(items: list[tuple[RequestStream, Event]]) -> None:
+    for stream, event in items:
+        stream.queue.put_nowait(event)

@@ -73,6 +73,7 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)
     text: str = ""  # decoded so far, cut at a stop string
     sent: int = 0  # characters of text already streamed
+    sent_tokens: int = 0  # token ids already streamed
     finish_reason: str | None = None
 
     def add(self, event: TokenEvent) -> None:
@@ -100,6 +101,11 @@ class Choice:
         piece = self.text[self.sent : end]
         self.sent = end
         return piece
+
+    def new_token_ids(self) -> list[int]:
+        ids = self.token_ids[self.sent_tokens :]
+        self.sent_tokens = len(self.token_ids)
+        return ids
 
 
 class Server:
@@ -175,26 +181,29 @@ class Server:
             raise APIError(503, str(e)) from None
         return choices
 
-    async def _run_choice(self, choice: Choice, on_text=None) -> None:
+    async def _updates(self, choice: Choice) -> AsyncIterator[bool]:
+        """Follow one choice's request: yields False after each token, True at the end."""
         async for event in self.engine.events(choice.stream):
             if isinstance(event, TokenEvent):
                 choice.add(event)
                 if choice.finish_reason == "stop":  # a stop string: this request is done
                     self.engine.abort(choice.stream.request.req_id)
                     break
-                if on_text is not None:
-                    await on_text(choice, False)
+                yield False
             elif isinstance(event, FinishEvent):
-                choice.finish_reason = "length" if event.reason == "length" else "stop"
-                if event.reason == "abort":
-                    choice.finish_reason = "abort"
+                choice.finish_reason = {"length": "length", "abort": "abort"}.get(
+                    event.reason, "stop"
+                )
             elif isinstance(event, ErrorEvent):
                 raise APIError(500, event.message)
-        if on_text is not None:
-            await on_text(choice, True)
+        yield True
 
     async def _collect(self, choices: list[Choice]) -> None:
-        tasks = [asyncio.ensure_future(self._run_choice(c)) for c in choices]
+        async def run(choice: Choice) -> None:
+            async for _ in self._updates(choice):
+                pass
+
+        tasks = [asyncio.ensure_future(run(c)) for c in choices]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -202,35 +211,54 @@ class Server:
                 t.cancel()
 
     def _stream(self, choices: list[Choice], make_chunk, usage: dict | None) -> AsyncIterator[str]:
-        """Server-sent events of every choice as its text arrives, then ``[DONE]``."""
-        out: asyncio.Queue[str | None] = asyncio.Queue()
+        """Server-sent events of every choice as its tokens arrive, then ``[DONE]``: one event
+        per sampled token, even while its text is held back (a partial character, a possible
+        stop string)."""
 
-        async def on_text(choice: Choice, final: bool) -> None:
+        def event(choice: Choice, final: bool) -> str | None:
             piece = choice.ready_text(final)
-            if piece or final:
+            if piece or final or len(choice.token_ids) > choice.sent_tokens:
                 chunk = make_chunk(choice, piece, choice.finish_reason if final else None)
-                await out.put(f"data: {json.dumps(chunk)}\n\n")
+                return f"data: {json.dumps(chunk)}\n\n"
+            return None
 
-        async def run_all() -> None:
-            try:
-                await asyncio.gather(*(self._run_choice(c, on_text) for c in choices))
-            except APIError as e:
-                await out.put(f"data: {json.dumps(error_body(e.status, e.message))}\n\n")
-            finally:
-                await out.put(None)
+        async def one(choice: Choice) -> AsyncIterator[str]:
+            async for final in self._updates(choice):
+                if (text := event(choice, final)) is not None:
+                    yield text
 
-        async def events() -> AsyncIterator[str]:
+        async def merged() -> AsyncIterator[str]:  # n > 1: the choices interleaved
+            out: asyncio.Queue[str | None] = asyncio.Queue()
+
+            async def run(choice: Choice) -> None:
+                async for text in one(choice):
+                    await out.put(text)
+
+            async def run_all() -> None:
+                try:
+                    await asyncio.gather(*(run(c) for c in choices))
+                finally:
+                    await out.put(None)
+
             task = asyncio.ensure_future(run_all())
             try:
                 while (item := await out.get()) is not None:
                     yield item
-                if usage is not None:
-                    yield f"data: {json.dumps(usage(choices))}\n\n"
-                yield "data: [DONE]\n\n"
+                await task  # raises what a choice raised
             finally:
                 task.cancel()  # the client went away: the choices' streams abort their requests
                 with contextlib.suppress(BaseException):
                     await task
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for text in one(choices[0]) if len(choices) == 1 else merged():
+                    yield text
+            except APIError as e:
+                yield f"data: {json.dumps(error_body(e.status, e.message))}\n\n"
+            if usage is not None:
+                yield f"data: {json.dumps(usage(choices))}\n\n"
+            yield "data: [DONE]\n\n"
 
         return events()
 
@@ -300,7 +328,7 @@ class Server:
             def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
                 return payload(
                     [{"index": choice.index, "text": piece, "logprobs": None,
-                      "finish_reason": finish}]
+                      "finish_reason": finish, "token_ids": choice.new_token_ids()}]
                 )  # fmt: skip
 
             usage = (lambda cs: payload([], self._usage(prompts, cs))) if want_usage else None
@@ -373,6 +401,7 @@ class Server:
             started: set[int] = set()
 
             def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
+                choice.new_token_ids()
                 delta: dict[str, Any] = {"content": piece}
                 if choice.index not in started:
                     started.add(choice.index)
