@@ -262,6 +262,24 @@ class Server:
 
         return events()
 
+    def _envelope(self, prefix: str):
+        """``make(object, choices, usage=None)``: a response body with this call's id."""
+        rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
+
+        def make(obj: str, choices_json: list[dict], usage: dict | None = None) -> dict:
+            out = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": self.model_name,
+                "choices": choices_json,
+            }
+            if usage is not None:
+                out["usage"] = usage
+            return out
+
+        return make
+
     @staticmethod
     def _usage(prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
         prompt = sum(len(p) for p in prompts)
@@ -308,19 +326,10 @@ class Server:
         prompts = self._prompts(body.prompt)
         params = self._params(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS, body.logprobs)
         choices = self._submit(prompts, params, body.stop_strings())
-        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        envelope = self._envelope("cmpl")
 
         def payload(choices_json: list[dict], usage: dict | None = None) -> dict:
-            out = {
-                "id": rid,
-                "object": "text_completion",
-                "created": created,
-                "model": self.model_name,
-                "choices": choices_json,
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+            return envelope("text_completion", choices_json, usage)
 
         if body.stream:
             want_usage = body.stream_options is not None and body.stream_options.include_usage
@@ -382,19 +391,7 @@ class Server:
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = self._params(body, max_tokens, logprobs)
         choices = self._submit([list(ids)], params, body.stop_strings())
-        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
-
-        def payload(obj: str, choices_json: list[dict], usage: dict | None = None) -> dict:
-            out = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": self.model_name,
-                "choices": choices_json,
-            }
-            if usage is not None:
-                out["usage"] = usage
-            return out
+        payload = self._envelope("chatcmpl")
 
         if body.stream:
             want_usage = body.stream_options is not None and body.stream_options.include_usage
