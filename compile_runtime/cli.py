@@ -129,6 +129,7 @@ def _engine(args: argparse.Namespace):
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 
@@ -152,7 +153,9 @@ def _generate(args: argparse.Namespace) -> int:
         stats = llm.last_stats
         print(
             f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s "
-            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps"
+            f"({stats.tokens_per_second:.1f} tok/s), {stats.steps} steps, prefix cache hit "
+            f"rate {stats.prefix_cache.hit_rate:.0%} ({stats.prefix_cache.hits} of "
+            f"{stats.prefix_cache.queries} prompt tokens)"
         )
         print(f"# {llm.startup.summary()}")
         if args.record_workload:
@@ -246,6 +249,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="CPU threads (default: the free cores)",
+    )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV cache of prompt prefixes seen before (default: on)",
     )
 
 

@@ -546,6 +546,11 @@ class RunnerConfig(CheckedConfig):
     num_gpu_blocks_override: int | None = Field(
         None, ge=2, description="KV cache blocks, block 0 reserved; None sizes the cache"
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV blocks of prompt prefixes computed before (automatic "
+        "prefix caching); False computes every prompt from scratch",
+    )
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
     # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True

@@ -106,6 +106,9 @@ def test_tp2_piecewise_matches_tp1(model_dirs, arch, runner):
         assert llm.workload.num_steps == llm.last_stats.steps
         if runner is CHUNKED:
             assert llm.scheduler.num_preemptions > 0
+            # Again: the prompts' blocks are in the prefix cache; every rank reads the same ones.
+            again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+            assert again == tokens and llm.last_stats.prefix_cache.hits > 0
         pids = llm.executor.pids
     assert_gone(pids)
     assert tokens == tp1_tokens(model_dir)

@@ -513,7 +513,8 @@ EAGER = {"backend": "eager", "cudagraph_mode": "NONE"}
 
 @pytest.fixture(scope="module")
 def llm(model_dirs):
-    # block_size 4: the prompts hold several blocks each, so a leaked block shows.
+    # block_size 4: the prompts hold several blocks each, so a leaked block shows. No prefix
+    # cache: every good call must take the same steps (test_prefix_cache covers faults with it).
     return LLM(
         model_dirs("llama"),
         EAGER,
@@ -521,6 +522,7 @@ def llm(model_dirs):
         max_num_batched_tokens=16,
         max_model_len=64,
         block_size=4,
+        enable_prefix_caching=False,
     )
 
 

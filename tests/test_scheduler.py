@@ -41,6 +41,9 @@ class FakeRunner:
     script: Callable[[str, int], int] = count_up
     reqs: dict[str, RunnerState] = field(default_factory=dict)
     new_reqs_seen: list = field(default_factory=list)
+    # The "KV cache": the token written at each (block, offset). A step reads every earlier
+    # position of a request from it, so a wrongly shared or overwritten block fails.
+    kv: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         for req_id in out.finished_req_ids:
@@ -72,6 +75,12 @@ class FakeRunner:
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.reqs[req_id]
             assert n >= 1
+            for pos in range(state.num_computed):
+                slot = (state.block_ids[pos // self.block_size], pos % self.block_size)
+                assert self.kv.get(slot) == state.tokens[pos], f"{req_id}: KV of {pos} is wrong"
+            for pos in range(state.num_computed, state.num_computed + n):
+                slot = (state.block_ids[pos // self.block_size], pos % self.block_size)
+                self.kv[slot] = state.tokens[pos]
             state.num_computed += n
             assert state.num_computed <= len(state.tokens)
             assert NULL not in state.block_ids
@@ -93,11 +102,7 @@ def check_invariants(s: Scheduler, out: SchedulerOutput) -> None:
     assert out.total_num_scheduled_tokens <= s.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= s.max_num_seqs
     assert len(s.running) <= s.max_num_seqs
-    held = [b for r in s.running for b in r.block_ids]
-    assert len(held) == len(set(held)), "a block is owned twice"
-    assert NULL not in held
-    assert len(held) + s.block_pool.num_free == s.block_pool.num_usable
-    assert all(not r.block_ids for r in s.waiting)
+    s.check_consistency()  # references, free blocks, cache hashes, nothing partial shared
 
 
 def run(
@@ -127,7 +132,15 @@ def req(req_id: str, prompt_len: int, **params) -> Request:
 
 
 def sched(**kw) -> Scheduler:
-    defaults = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=32)
+    """A scheduler without prefix caching (every prompt here shares a prefix); the prefix
+    cache's own tests turn it on."""
+    defaults = dict(
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=32,
+        enable_prefix_caching=False,
+    )
     return Scheduler(**(defaults | kw))
 
 
@@ -337,10 +350,12 @@ def test_request_preempts_itself_when_it_is_the_newest():
     assert finished["b"].output_token_ids == [1000, 1001, 1002, 1003]
 
 
+@pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize("seed", range(6))
-def test_random_workloads_under_a_tiny_cache(seed):
+def test_random_workloads_under_a_tiny_cache(seed, prefix_caching):
     rng = random.Random(seed)
     s = Scheduler(
+        enable_prefix_caching=prefix_caching,
         num_blocks=rng.randint(6, 12),
         block_size=rng.choice([1, 2, 4]),
         max_num_seqs=rng.randint(2, 5),

@@ -250,6 +250,16 @@ def test_metrics_count_tokens_and_steps(server):
     assert server.metric("compile_runtime_time_to_first_token_seconds_count") > 0
 
 
+def test_metrics_report_prefix_cache_hits(server):
+    prompt = "a system prompt that two requests share " * 2
+    hits = server.metric("compile_runtime_prefix_cache_hits_total")
+    queries = server.metric("compile_runtime_prefix_cache_queries_total")
+    complete(server, prompt + "first")
+    complete(server, prompt + "second")
+    assert server.metric("compile_runtime_prefix_cache_hits_total") - hits >= 16  # a block
+    assert server.metric("compile_runtime_prefix_cache_queries_total") - queries > 32
+
+
 def test_sigterm_lets_the_running_request_finish(model_dirs):
     s = RunningServer(model_dirs("llama"))
     stream = s.client.completions.create(

@@ -16,6 +16,7 @@ stuck in a collective), and later calls say the executor is shut down.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import logging
@@ -41,6 +42,7 @@ from compile_runtime.engine.core import EngineCore, StepError
 from compile_runtime.executor import Executor, make_executor
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
+from compile_runtime.runner.prefix_cache import PrefixCacheStats
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
@@ -93,6 +95,8 @@ class GenerateStats:
     first_token_seconds: list[float] = field(default_factory=list)
     # Wall time of each step in which every scheduled request decoded one token.
     decode_step_seconds: list[float] = field(default_factory=list)
+    # Prompt tokens of this call looked up in the prefix cache, and found there.
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def tokens_per_second(self) -> float:
@@ -147,6 +151,7 @@ class LLM:
             max_num_batched_tokens=runner_config.max_num_batched_tokens,
             max_model_len=runner_config.max_model_len,
             vocab_size=getattr(hf_config, "vocab_size", None),
+            enable_prefix_caching=runner_config.enable_prefix_caching,
         )
         self.core = EngineCore(self.scheduler, self.executor)
         self.eos_token_id = _eos_id(hf_config, self.tokenizer)
@@ -169,6 +174,11 @@ class LLM:
     def startup(self) -> StartupTimes:
         """Where start-up went (the slowest rank); ``startup.summary()`` is the start-up line."""
         return self.executor.startup
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache since start-up, and found there."""
+        return self.scheduler.prefix_cache_stats
 
     @property
     def workload(self):
@@ -220,6 +230,7 @@ class LLM:
         self.core.add(requests)
 
         stats = GenerateStats()
+        cache_before = dataclasses.replace(self.prefix_cache_stats)
         first_token: dict[str, float] = {}
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
         start = time.perf_counter()
@@ -245,6 +256,7 @@ class LLM:
         finally:
             bar.close()
         stats.seconds = time.perf_counter() - start
+        stats.prefix_cache = self.prefix_cache_stats.since(cache_before)
         stats.first_token_seconds = [
             first_token[r.req_id] for r in requests if r.req_id in first_token
         ]

@@ -38,6 +38,10 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    # Prefix caching: content hashes of its full blocks so far (runner/prefix_cache.py), and
+    # how many of its leading blocks are in the cache (found there or put there by it).
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_cached_blocks: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -14,6 +14,16 @@ again its prompt and the tokens it had generated are recomputed as one
 prompt. Older requests therefore always make progress, and a request that
 fits in the cache on its own always finishes.
 
+With prefix caching (on by default), a request joining the batch first
+looks up the longest run of its full blocks already in the cache (same
+tokens from the start, see prefix_cache.py): it takes those blocks with a
+reference and is scheduled only for the rest, at least its last token, so
+there are logits to sample. Full blocks are put in the cache once a step has
+computed them; a finished or preempted request's blocks stay there, evictable,
+until the pool needs them (a preempted request's restart usually finds its own
+blocks). Every layer keeps every block of a sequence (sliding-window layers
+included), so a cached block holds exactly the KV a recompute would write.
+
 Admission is all or nothing: ``add_requests`` checks every request (prompt
 ids inside the vocabulary, length within max_model_len and the cache, logit
 bias ids) before it queues any, so a bad request never reaches a step. When
@@ -31,9 +41,10 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import deque
+from collections import Counter, deque
 
 from compile_runtime.runner.block_pool import BlockPool
+from compile_runtime.runner.prefix_cache import PrefixCacheStats, extend_block_hashes
 from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.scheduler_output import (
     ModelRunnerOutput,
@@ -59,6 +70,7 @@ class Scheduler:
         long_prefill_token_threshold: int | None = None,
         max_model_len: int | None = None,
         vocab_size: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits."""
         for name, value in (
@@ -89,6 +101,8 @@ class Scheduler:
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache_stats = PrefixCacheStats()
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -189,8 +203,7 @@ class Scheduler:
                 self.running.remove(req)
             else:
                 self.waiting.remove(req)
-            self.block_pool.free(req.block_ids)
-            req.block_ids = []
+            self._free_blocks(req)
             req.status = RequestStatus.FINISHED_ABORTED
             self._finished_req_ids.add(req_id)
             aborted.append(req)
@@ -230,15 +243,25 @@ class Scheduler:
             and budget > 0
         ):
             req = self.waiting[0]
-            num_new = self._num_tokens_to_compute(req)
+            cached = self._find_cached_prefix(req)
+            num_cached = len(cached) * self.block_size
+            num_new = self._num_tokens_to_compute(req, num_cached)
             if not self.enable_chunked_prefill and num_new > budget:
                 break  # FIFO: wait for a step with room rather than letting others pass
             num_new = min(num_new, budget)
-            blocks = self.block_pool.allocate(_cdiv(num_new, self.block_size))
-            if blocks is None:
+            needed = _cdiv(num_cached + num_new, self.block_size) - len(cached)
+            if needed > self.block_pool.num_free_after_touch(cached):
                 break
+            self.block_pool.touch(cached)
+            blocks = self.block_pool.allocate(needed)
+            assert blocks is not None  # checked just above
             self.waiting.popleft()
-            req.block_ids = blocks
+            if self.enable_prefix_caching:
+                self.prefix_cache_stats.queries += req.num_tokens
+                self.prefix_cache_stats.hits += num_cached
+            req.block_ids = cached + blocks
+            req.num_cached_blocks = len(cached)
+            req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             out.scheduled_new_reqs.append(
@@ -246,7 +269,7 @@ class Scheduler:
                     req_id=req.req_id,
                     prompt_token_ids=req.all_token_ids,
                     sampling_params=req.sampling_params,
-                    block_ids=list(blocks),
+                    block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
                     eos_token_id=req.eos_token_id,
@@ -256,12 +279,39 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _num_tokens_to_compute(self, req: Request) -> int:
+    def _num_tokens_to_compute(self, req: Request, num_computed: int | None = None) -> int:
         """1 for a decode; the rest of the prompt (maybe capped) while prefilling."""
-        n = req.num_tokens - req.num_computed_tokens
+        if num_computed is None:
+            num_computed = req.num_computed_tokens
+        n = req.num_tokens - num_computed
         if self.long_prefill_token_threshold is not None:
             n = min(n, self.long_prefill_token_threshold)
         return n
+
+    def _find_cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of req's tokens, short of its last token."""
+        if not self.enable_prefix_caching:
+            return []
+        # At least the last token is computed: it gives the logits of the next token.
+        num_blocks = (req.num_tokens - 1) // self.block_size
+        hashes = extend_block_hashes(req, num_blocks, self.block_size)
+        return self.block_pool.find_cached(hashes[:num_blocks])
+
+    def _cache_computed_blocks(self, req: Request) -> None:
+        """Put req's full blocks that are computed by now into the prefix cache."""
+        num_full = req.num_computed_tokens // self.block_size
+        if num_full <= req.num_cached_blocks:
+            return
+        hashes = extend_block_hashes(req, num_full, self.block_size)
+        for i in range(req.num_cached_blocks, num_full):
+            self.block_pool.cache(req.block_ids[i], hashes[i])
+        req.num_cached_blocks = num_full
+
+    def _free_blocks(self, req: Request) -> None:
+        """Give back req's blocks, last first: its tail is evicted before the shared head."""
+        self.block_pool.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_cached_blocks = 0
 
     def _allocate_or_preempt(
         self, req: Request, num_new: int, out: SchedulerOutput
@@ -281,14 +331,13 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.block_pool.free(req.block_ids)
         logger.debug(
             "preempting %s (%d tokens computed, %d blocks freed)",
             req.req_id,
             req.num_computed_tokens,
             len(req.block_ids),
         )
-        req.block_ids = []
+        self._free_blocks(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -325,6 +374,8 @@ class Scheduler:
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
             req.num_computed_tokens += n
+            if self.enable_prefix_caching:
+                self._cache_computed_blocks(req)
             token = sampled.get(req_id)
             if token is None:
                 continue
@@ -351,7 +402,37 @@ class Scheduler:
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
         self.running.remove(req)
-        self.block_pool.free(req.block_ids)
-        req.block_ids = []
+        self._free_blocks(req)
         del self.requests[req.req_id]
         self._finished_req_ids.add(req.req_id)
+
+    # ------------------------------------------------------------------ checks
+
+    def check_consistency(self) -> None:
+        """Raise AssertionError unless blocks, references and the cache agree (for tests).
+
+        Every block held is counted once per running request holding it; waiting
+        requests hold none; a request's full computed blocks are in the cache under
+        its own hashes (or were computed twice at once and stay plain); its other
+        blocks, the partial last one above all, hold no hash and are never shared.
+        """
+        pool = self.block_pool
+        holders: Counter[int] = Counter()
+        for req in self.running:
+            rid = req.req_id
+            assert len(set(req.block_ids)) == len(req.block_ids), f"{rid} holds a block twice"
+            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
+            full = req.num_computed_tokens // self.block_size
+            assert req.num_cached_blocks == (full if self.enable_prefix_caching else 0), rid
+            for i, block in enumerate(req.block_ids):
+                holders[block] += 1
+                block_hash = pool.hash_of(block)
+                if i < req.num_cached_blocks:
+                    assert block_hash in (None, req.block_hashes[i]), f"{rid}: block {i}'s hash"
+                else:
+                    assert block_hash is None, f"{rid}: block {i} is cached but not computed"
+        for block, n in holders.items():
+            assert n == 1 or pool.hash_of(block) is not None, f"uncached block {block} shared"
+        for req in self.waiting:
+            assert not req.block_ids and req.num_cached_blocks == 0
+        pool.check_consistency(holders)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -12,6 +14,7 @@ from prometheus_client import (
 
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
+from compile_runtime.runner.prefix_cache import PrefixCacheStats
 
 PREFIX = "compile_runtime"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -56,6 +59,17 @@ class ServerMetrics:
         self.steps = Counter(
             f"{PREFIX}_steps", "Engine steps, by CUDA graph runtime mode", ["mode"], registry=r
         )
+        self.prefix_cache_queries = Counter(
+            f"{PREFIX}_prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            f"{PREFIX}_prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (hit rate: hits / queries)",
+            registry=r,
+        )
+        self._prefix_cache_seen = PrefixCacheStats()
         self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
@@ -74,6 +88,11 @@ class ServerMetrics:
         self.waiting.set(engine.num_waiting)
         self.kv_blocks.set(engine.core.num_blocks_in_use)
         self.steps.labels(mode=out.runtime_mode or "NONE").inc()
+        cache = scheduler.prefix_cache_stats
+        new = cache.since(self._prefix_cache_seen)
+        self.prefix_cache_queries.inc(new.queries)
+        self.prefix_cache_hits.inc(new.hits)
+        self._prefix_cache_seen = dataclasses.replace(cache)
         for request in out.finished:
             self.requests.labels(finish_reason=request.finish_reason or "stop").inc()
 
