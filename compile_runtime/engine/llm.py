@@ -91,6 +91,9 @@ class RequestOutput:
 class GenerateStats:
     steps: int = 0
     output_tokens: int = 0
+    # Tokens run through the model: prompt tokens not found in the prefix cache (again after a
+    # preemption), plus one per decode.
+    scheduled_tokens: int = 0
     seconds: float = 0.0
     first_token_seconds: list[float] = field(default_factory=list)
     # Wall time of each step in which every scheduled request decoded one token.
@@ -248,6 +251,7 @@ class LLM:
                         logprobs[req_id].append(lp)
                 bar.update(len(step.finished))
                 stats.steps += 1
+                stats.scheduled_tokens += step.num_scheduled_tokens
         except BaseException as e:
             error = self._abort_call(requests, stats.steps + 1, e)
             if error is None:
