@@ -127,7 +127,7 @@ def simulate(arrivals, steps: int, seed: int) -> Workload:
             req = scheduler.requests[req_id]
             result.req_ids.append(req_id)
             result.sampled_token_ids.append(
-                8 if req.num_computed_tokens + n >= req.num_tokens else None
+                [8] if req.num_computed_tokens + n >= req.num_tokens else []
             )
         scheduler.update_from_output(out, result)
     return workload

@@ -130,6 +130,7 @@ def _engine(args: argparse.Namespace):
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
+        speculative_config=args.speculative_config,
     )
 
 
@@ -157,6 +158,13 @@ def _generate(args: argparse.Namespace) -> int:
             f"rate {stats.prefix_cache.hit_rate:.0%} ({stats.prefix_cache.hits} of "
             f"{stats.prefix_cache.queries} prompt tokens)"
         )
+        if stats.spec_decode.num_draft_tokens:
+            spec = stats.spec_decode
+            print(
+                f"# speculative decoding: {spec.num_accepted_tokens} of {spec.num_draft_tokens} "
+                f"draft tokens accepted ({spec.acceptance_rate:.0%}), "
+                f"{spec.mean_accepted_length:.2f} tokens per verifying step"
+            )
         print(f"# {llm.startup.summary()}")
         if args.record_workload:
             llm.save_workload(args.record_workload)
@@ -249,6 +257,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         type=positive_int,
         default=None,
         help="CPU threads (default: the free cores)",
+    )
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
         "--enable-prefix-caching",

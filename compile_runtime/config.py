@@ -522,6 +522,33 @@ class CheckedConfig(BaseModel):
         return "\n".join(lines)
 
 
+class SpeculativeConfig(CheckedConfig):
+    """Speculative decoding: draft tokens proposed without a second model, verified in one step.
+
+    ``method="ngram"`` (prompt lookup): the drafts are the tokens that followed
+    the most recent earlier occurrence of a request's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt and output.
+    """
+
+    method: Literal["ngram"] = Field(
+        description="how drafts are proposed; 'ngram' is the one method so far"
+    )
+    num_speculative_tokens: int = Field(
+        ge=1, description="draft tokens proposed per request and step, e.g. 4"
+    )
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram matched, e.g. 2")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram matched, e.g. 4")
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                f"prompt_lookup_max={self.prompt_lookup_max}; make min <= max"
+            )
+        return self
+
+
 class RunnerConfig(CheckedConfig):
     """Sizes of the runner's batch and KV cache (the same on every rank)."""
 
@@ -551,6 +578,22 @@ class RunnerConfig(CheckedConfig):
         description="reuse the KV blocks of prompt prefixes computed before (automatic "
         "prefix caching); False computes every prompt from scratch",
     )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}',
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _json_text(cls, v: Any) -> Any:
+        """A JSON string (the CLI's ``--speculative-config``) reads as the dict it holds."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e}): {v!r}") from None
+        return v
+
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 4 rows
     # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True

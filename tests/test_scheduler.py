@@ -39,6 +39,9 @@ class RunnerState:
 class FakeRunner:
     block_size: int
     script: Callable[[str, int], int] = count_up
+    # Speculative decoding: (req_id, number of outputs so far) -> drafts for its next step;
+    # the fake model accepts a draft while it equals the script's next token.
+    propose: Callable[[str, int], list[int]] | None = None
     reqs: dict[str, RunnerState] = field(default_factory=dict)
     new_reqs_seen: list = field(default_factory=list)
     # The "KV cache": the token written at each (block, offset). A step reads every earlier
@@ -74,24 +77,34 @@ class FakeRunner:
         result = ModelRunnerOutput()
         for req_id, n in out.num_scheduled_tokens.items():
             state = self.reqs[req_id]
+            drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
             assert n >= 1
             for pos in range(state.num_computed):
                 slot = (state.block_ids[pos // self.block_size], pos % self.block_size)
                 assert self.kv.get(slot) == state.tokens[pos], f"{req_id}: KV of {pos} is wrong"
+            sequence = state.tokens + drafts
+            assert len(state.block_ids) * self.block_size >= state.num_computed + n
             for pos in range(state.num_computed, state.num_computed + n):
                 slot = (state.block_ids[pos // self.block_size], pos % self.block_size)
-                self.kv[slot] = state.tokens[pos]
+                self.kv[slot] = sequence[pos]
             state.num_computed += n
-            assert state.num_computed <= len(state.tokens)
+            assert state.num_computed <= len(sequence)
+            assert not drafts or state.num_computed == len(sequence), "drafts of a prefill"
             assert NULL not in state.block_ids
-            assert len(state.block_ids) * self.block_size >= state.num_computed
-            token = None
-            if state.num_computed == len(state.tokens):
-                token = self.script(req_id, state.num_outputs)
-                state.tokens.append(token)
-                state.num_outputs += 1
+            tokens = []
+            if state.num_computed == len(sequence):
+                for draft in [*drafts, None]:
+                    token = self.script(req_id, state.num_outputs)
+                    tokens.append(token)
+                    state.tokens.append(token)
+                    state.num_outputs += 1
+                    if draft != token:
+                        break
+                state.num_computed -= len(drafts) + 1 - len(tokens)  # rejected drafts
+                if self.propose is not None:
+                    result.draft_token_ids[req_id] = self.propose(req_id, state.num_outputs)
             result.req_ids.append(req_id)
-            result.sampled_token_ids.append(token)
+            result.sampled_token_ids.append(tokens)
         return result
 
 
@@ -404,7 +417,7 @@ def test_missing_sampled_token_is_a_protocol_error_that_changes_nothing():
     s.add_request(req("a", 3))
     out = s.schedule()
     with pytest.raises(ValueError, match="no sampled token"):
-        s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[None]))
+        s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[]]))
     assert s.requests["a"].num_computed_tokens == 0
-    s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[5]))
+    s.update_from_output(out, ModelRunnerOutput(req_ids=["a"], sampled_token_ids=[[5]]))
     assert s.requests["a"].output_token_ids == [5]

@@ -28,10 +28,10 @@ class StepError(RuntimeError):
 
 @dataclass
 class StepOutput:
-    # (request id, sampled token, logprobs or None) for every request that got a token.
+    # (request id, sampled token, logprobs or None) for every token a request got, in order.
     tokens: list[tuple[str, int, object]] = field(default_factory=list)
     finished: list[Request] = field(default_factory=list)
-    decode_only: bool = False  # every scheduled request decoded one token
+    decode_only: bool = False  # every scheduled request decoded (one token + its drafts)
     num_scheduled_tokens: int = 0
     seconds: float = 0.0
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (rank 0)
@@ -85,17 +85,16 @@ class EngineCore:
                 failed,
                 e,
             ) from e
-        counts = so.num_scheduled_tokens
+        counts, drafts = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
+        tokens = []
+        for req_id, ids, lps in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):
+            for i, token in enumerate(ids):
+                tokens.append((req_id, token, lps[i] if lps is not None else None))
         return StepOutput(
-            tokens=[
-                (req_id, token, lp)
-                for req_id, token, lp in zip(
-                    out.req_ids, out.sampled_token_ids, out.logprobs, strict=True
-                )
-                if token is not None
-            ],
+            tokens=tokens,
             finished=finished,
-            decode_only=bool(counts) and all(n == 1 for n in counts.values()),
+            decode_only=bool(counts)
+            and all(n == 1 + len(drafts.get(r, ())) for r, n in counts.items()),
             num_scheduled_tokens=sum(counts.values()),
             seconds=time.perf_counter() - start,
             runtime_mode=out.runtime_mode,

@@ -46,6 +46,7 @@ from compile_runtime.runner.prefix_cache import PrefixCacheStats
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -96,10 +97,12 @@ class GenerateStats:
     scheduled_tokens: int = 0
     seconds: float = 0.0
     first_token_seconds: list[float] = field(default_factory=list)
-    # Wall time of each step in which every scheduled request decoded one token.
+    # Wall time of each step in which every scheduled request decoded (one token + drafts).
     decode_step_seconds: list[float] = field(default_factory=list)
     # Prompt tokens of this call looked up in the prefix cache, and found there.
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    # Draft tokens of this call proposed and accepted (speculative decoding).
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
 
     @property
     def tokens_per_second(self) -> float:
@@ -234,6 +237,7 @@ class LLM:
 
         stats = GenerateStats()
         cache_before = dataclasses.replace(self.prefix_cache_stats)
+        spec_before = dataclasses.replace(self.scheduler.spec_decode_stats)
         first_token: dict[str, float] = {}
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
         start = time.perf_counter()
@@ -261,6 +265,7 @@ class LLM:
             bar.close()
         stats.seconds = time.perf_counter() - start
         stats.prefix_cache = self.prefix_cache_stats.since(cache_before)
+        stats.spec_decode = self.scheduler.spec_decode_stats.since(spec_before)
         stats.first_token_seconds = [
             first_token[r.req_id] for r in requests if r.req_id in first_token
         ]

@@ -53,6 +53,8 @@ from compile_runtime.runner.kv_sizing import (
     cuda_kv_budget,
     most_blocks_needed,
 )
+from compile_runtime.runner.ngram_proposer import NgramProposer
+from compile_runtime.runner.rejection_sampler import rejection_sample
 from compile_runtime.runner.sampler import Sampler
 from compile_runtime.runner.sampling_metadata import (
     RequestSamplingState,
@@ -68,9 +70,11 @@ class ExecuteModelState:
     """What ``execute_model`` leaves for ``sample_tokens``."""
 
     req_ids: list[str]
-    logits: torch.Tensor | None  # [num requests that sample, vocab]; None on ranks > 0
-    sampling_req_ids: list[str]  # requests whose prompt is complete: they get a token
+    # [rows, vocab]: one per request that samples, 1 + its drafts with drafts; None on ranks > 0
+    logits: torch.Tensor | None
+    sampling_req_ids: list[str]  # requests whose prompt is complete: they get tokens
     runtime_mode: str | None = None
+    drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
 
 
 class ModelRunnerError(RuntimeError):
@@ -143,10 +147,23 @@ class ModelRunner:
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
         backends = {layer.attn_backend for layer in self.layers}
-        self.resolved = compilation_config.resolve(
-            min_cg_support(backends), cuda_available=self.device.type == "cuda"
-        )
         c = self.config
+        spec = c.speculative_config
+        self.proposer = (
+            NgramProposer(
+                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            if spec is not None
+            else None
+        )
+        # A decode step runs 1 + k tokens per request when every request has k drafts: that
+        # is the uniform decode batch the decode mode's graphs are captured for.
+        self.uniform_decode_query_len = 1 + (spec.num_speculative_tokens if spec else 0)
+        self.resolved = compilation_config.resolve(
+            min_cg_support(backends),
+            uniform_decode_query_len=self.uniform_decode_query_len,
+            cuda_available=self.device.type == "cuda",
+        )
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
@@ -172,7 +189,7 @@ class ModelRunner:
         self.dispatcher = CudagraphDispatcher(
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
-        self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
+        self.dispatcher.initialize_keys(self.resolved.cudagraph_mode, self.uniform_decode_query_len)
         self.forward_model = self.model.model
         if self.resolved.cudagraph_mode.has_full_cudagraphs():
             self.forward_model = wrap_full_model(self.forward_model, compilation_config)
@@ -200,9 +217,12 @@ class ModelRunner:
             self.resolved = self.compilation_config.resolve(
                 min_cg_support({layer.attn_backend for layer in self.layers}),
                 attention_split=False,
+                uniform_decode_query_len=self.uniform_decode_query_len,
                 cuda_available=self.device.type == "cuda",
             )
-            self.dispatcher.initialize_keys(self.resolved.cudagraph_mode)
+            self.dispatcher.initialize_keys(
+                self.resolved.cudagraph_mode, self.uniform_decode_query_len
+            )
         start = time.perf_counter()
         self.num_blocks = times.num_blocks = self._num_kv_blocks()
         caches = allocate_kv_cache(
@@ -357,6 +377,11 @@ class ModelRunner:
             return
         batch = self.input_batch
         rows = batch.rows(req_ids)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # After the request's last token, not counted in its tokens until accepted.
+            row = batch.requests[req_id].row
+            end = int(batch.num_tokens[row])
+            batch.token_ids[row, end : end + len(drafts)] = drafts
         num_sched = np.fromiter(
             (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
@@ -380,7 +405,8 @@ class ModelRunner:
             batch.block_table.block_size,
         )
         seq_lens = computed + num_sched
-        uniform_decode = bool((num_sched == 1).all())
+        # Every request runs 1 + k tokens (a decode with k drafts): the decode graphs' batch.
+        uniform_decode = bool((num_sched == self.uniform_decode_query_len).all())
         self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
@@ -408,40 +434,75 @@ class ModelRunner:
         ):
             hidden = self.forward_model(self.input_ids[:padded], self.positions[:padded])
 
-        # Only requests whose whole known sequence is now computed get a token.
+        # Only requests whose whole known sequence is now computed get tokens: from the
+        # logits of their last position, and of every draft position before it.
         done = seq_lens >= batch.num_tokens[rows]
         sampling_idx = np.nonzero(done)[0]
-        logits_idx = torch.from_numpy(cu[sampling_idx] - 1).to(self.device)
+        sampling_req_ids = [req_ids[i] for i in sampling_idx]
+        drafts = None
+        num_logits = np.ones(len(sampling_idx), dtype=np.int64)
+        if so.scheduled_spec_decode_tokens:
+            spec = so.scheduled_spec_decode_tokens
+            drafts = [spec.get(r, []) for r in sampling_req_ids]
+            num_logits += [len(d) for d in drafts]
+        # The last num_logits positions of each sampling request, in order.
+        ends = np.repeat(cu[sampling_idx], num_logits)
+        back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(int(num_logits.sum()))
+        logits_idx = torch.from_numpy(ends - back).to(self.device)
         logits = self.model.compute_logits(hidden[logits_idx])
         batch.num_computed_tokens[rows] = seq_lens
         self.execute_state = ExecuteModelState(
             req_ids=req_ids,
             logits=logits,
-            sampling_req_ids=[req_ids[i] for i in sampling_idx],
+            sampling_req_ids=sampling_req_ids,
             runtime_mode=mode.name,
+            drafts=drafts,
         )
 
-    def _sample(self, logits: torch.Tensor, states: list) -> tuple[torch.Tensor, list]:
-        """Token ids [n] and per-row logprobs (None where not asked for)."""
-        if all(s.sampling_params.plain_argmax for s in states):
+    def _sample(
+        self, logits: torch.Tensor, states: list, drafts: list[list[int]] | None
+    ) -> tuple[list[list[int]], list]:
+        """Per request its tokens and their logprobs (None where not asked for).
+
+        Without drafts one token each; with drafts the rejection sampler verifies them.
+        """
+        plain = all(s.sampling_params.plain_argmax for s in states)
+        if drafts is None and plain:
             # Nothing changes the logits: skip building the batch's sampling tensors.
-            return logits.argmax(dim=-1), [None] * len(states)
-        metadata = SamplingMetadata.from_requests(
-            [
-                RequestSamplingState(
-                    params=s.sampling_params,
-                    prompt_token_ids=s.prompt_token_ids,
-                    output_token_ids=s.output_token_ids,
-                    eos_token_id=s.eos_token_id,
-                    generator=s.generator,
-                )
-                for s in states
-            ],
-            vocab_size=logits.shape[-1],
-            device=logits.device,
-        )
-        result = self.sampler(logits, metadata)
-        return result.token_ids, result.logprobs
+            return [[t] for t in logits.argmax(dim=-1).tolist()], [None] * len(states)
+        # One sampling row per logits row: a draft position sees the drafts before it as
+        # output (penalties, min_tokens), exactly as the step that would sample it.
+        rows = [
+            RequestSamplingState(
+                params=s.sampling_params,
+                prompt_token_ids=s.prompt_token_ids,
+                output_token_ids=s.output_token_ids + (d[:j] if j else []),
+                eos_token_id=s.eos_token_id,
+                generator=s.generator,
+            )
+            for s, d in zip(states, drafts or [[]] * len(states), strict=True)
+            for j in range(len(d) + 1)
+        ]
+        metadata = None
+        if not plain:
+            metadata = SamplingMetadata.from_requests(
+                rows, vocab_size=logits.shape[-1], device=logits.device
+            )
+        if drafts is not None:
+            result = rejection_sample(logits, drafts, metadata)
+            return result.token_ids, result.logprobs
+        sampled = self.sampler(logits, metadata)
+        logprobs = [lp if lp is None else [lp] for lp in sampled.logprobs]
+        return [[t] for t in sampled.token_ids.tolist()], logprobs
+
+    def _broadcast_tokens(self, tokens: list[list[int]] | None, num_reqs: int, width: int):
+        """Rank 0's tokens per request on every rank (padded with -1 on the wire)."""
+        wire = torch.full((num_reqs, width), -1, dtype=torch.long, device=self.device)
+        if tokens is not None:
+            for i, ids in enumerate(tokens):
+                wire[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        broadcast_from_first_rank(wire)
+        return [[t for t in row if t >= 0] for row in wire.tolist()]
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -450,25 +511,34 @@ class ModelRunner:
             raise ModelRunnerError("sample_tokens() needs a preceding execute_model()")
         self.execute_state = None
         output = ModelRunnerOutput(req_ids=list(state.req_ids), runtime_mode=state.runtime_mode)
-        sampled: dict[str, tuple[int, object]] = {}
-        if state.sampling_req_ids and state.logits is None:  # a rank > 0: rank 0 samples
-            tokens = torch.empty(len(state.sampling_req_ids), dtype=torch.long, device=self.device)
-            broadcast_from_first_rank(tokens)
-            for req_id, token in zip(state.sampling_req_ids, tokens.tolist(), strict=True):
-                self.input_batch.append_token(req_id, token)
-                sampled[req_id] = (token, None)
-        elif state.sampling_req_ids:
-            states = [self.input_batch.requests[r] for r in state.sampling_req_ids]
-            token_ids, logprobs = self._sample(state.logits, states)
+        req_ids = state.sampling_req_ids
+        tokens: list[list[int]] = []
+        logprobs: list = []
+        if req_ids:
+            width = 1 + max((len(d) for d in state.drafts or []), default=0)
+            if state.logits is not None:  # rank 0 samples
+                states = [self.input_batch.requests[r] for r in req_ids]
+                tokens, logprobs = self._sample(state.logits, states, state.drafts)
             if self.tp_size > 1:
-                broadcast_from_first_rank(token_ids.to(torch.long).contiguous())
-            for req_id, token, lp in zip(
-                state.sampling_req_ids, token_ids.tolist(), logprobs, strict=True
-            ):
-                self.input_batch.append_token(req_id, token)
-                sampled[req_id] = (token, lp)
+                tokens = self._broadcast_tokens(
+                    tokens if state.logits is not None else None, len(req_ids), width
+                )
+            if not logprobs:
+                logprobs = [None] * len(req_ids)
+            batch = self.input_batch
+            for i, (req_id, ids) in enumerate(zip(req_ids, tokens, strict=True)):
+                row = batch.requests[req_id].row
+                for token in ids:
+                    batch.append_token(req_id, token)
+                if state.drafts is not None:  # rejected drafts' KV is not computed
+                    batch.num_computed_tokens[row] -= len(state.drafts[i]) + 1 - len(ids)
+            if self.proposer is not None and state.logits is not None:
+                rows = batch.rows(req_ids)
+                drafts = self.proposer.propose(batch.token_ids[rows], batch.num_tokens[rows])
+                output.draft_token_ids = {r: d for r, d in zip(req_ids, drafts, strict=True) if d}
+        got = dict(zip(req_ids, zip(tokens, logprobs, strict=True), strict=True))
         for req_id in state.req_ids:
-            token, logprobs = sampled.get(req_id, (None, None))
-            output.sampled_token_ids.append(token)
-            output.logprobs.append(logprobs)
+            ids, lps = got.get(req_id, ([], None))
+            output.sampled_token_ids.append(ids)
+            output.logprobs.append(lps)
         return output

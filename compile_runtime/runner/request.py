@@ -42,6 +42,8 @@ class Request:
     # how many of its leading blocks are in the cache (found there or put there by it).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # Speculative decoding: draft tokens to verify in its next step (proposed by the runner).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -35,25 +35,32 @@ class Sampler:
     """Stateless: all per-request state arrives in the SamplingMetadata."""
 
     def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
-        if logits.dim() != 2 or logits.shape[0] != metadata.num_reqs:
-            raise ValueError(
-                f"logits must be [num_reqs={metadata.num_reqs}, vocab], got {tuple(logits.shape)}"
-            )
-        # A copy: the processing below is in place and must not touch the caller's tensor.
-        logits = logits.to(torch.float32, copy=True)
-        raw_logprobs = (
-            torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
-        )
-
-        apply_logit_bias(logits, metadata)
-        apply_min_tokens(logits, metadata)
-        logits = apply_penalties(logits, metadata)
+        logits, raw_logprobs = process_logits(logits, metadata)
         token_ids = _choose(logits, metadata)
 
         logprobs: list[Logprobs | None] = [None] * metadata.num_reqs
         if raw_logprobs is not None:
-            logprobs = _gather_logprobs(raw_logprobs, token_ids, metadata)
+            logprobs = gather_logprobs(raw_logprobs, token_ids, metadata.num_logprobs)
         return SamplerOutput(token_ids=token_ids, logprobs=logprobs)
+
+
+def process_logits(
+    logits: torch.Tensor, metadata: SamplingMetadata
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A float32 copy with logit bias, the min_tokens mask and penalties applied, and the raw
+    logprobs (before any of them) when a row asks for logprobs."""
+    if logits.dim() != 2 or logits.shape[0] != metadata.num_reqs:
+        raise ValueError(
+            f"logits must be [num_reqs={metadata.num_reqs}, vocab], got {tuple(logits.shape)}"
+        )
+    # A copy: the processing below is in place and must not touch the caller's tensor.
+    logits = logits.to(torch.float32, copy=True)
+    raw_logprobs = (
+        torch.log_softmax(logits, dim=-1) if metadata.max_num_logprobs is not None else None
+    )
+    apply_logit_bias(logits, metadata)
+    apply_min_tokens(logits, metadata)
+    return apply_penalties(logits, metadata), raw_logprobs
 
 
 def apply_logit_bias(logits: torch.Tensor, metadata: SamplingMetadata) -> None:
@@ -118,20 +125,29 @@ def apply_top_k_top_p(
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution a sampled row draws from: temperature, then top-k and top-p.
+
+    Rows with temperature 0 get temperature 1 here (they take the argmax instead).
+    """
+    temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
+    scaled = apply_top_k_top_p(logits / temperature[:, None], metadata.top_k, metadata.top_p)
+    return scaled.softmax(dim=-1)
+
+
 def _choose(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Greedy rows take the argmax; the others sample."""
     if metadata.all_greedy:
         return logits.argmax(dim=-1)
-    is_greedy = metadata.temperature == 0
-    temperature = torch.where(is_greedy, 1.0, metadata.temperature)
-    scaled = apply_top_k_top_p(logits / temperature[:, None], metadata.top_k, metadata.top_p)
-    sampled = _exponential_race(scaled.softmax(dim=-1), metadata.generators)
+    sampled = exponential_race(sampling_probs(logits, metadata), metadata.generators)
     if metadata.all_random:
         return sampled
-    return torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+    return torch.where(metadata.temperature == 0, logits.argmax(dim=-1), sampled)
 
 
-def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from ``probs`` (rows need not be normalised); a seeded row draws from
+    its own generator."""
     q = torch.empty_like(probs)
     if len(generators) < probs.shape[0]:
         q.exponential_()
@@ -142,15 +158,17 @@ def _exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator
     return (probs / q).argmax(dim=-1)
 
 
-def _gather_logprobs(
-    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, metadata: SamplingMetadata
+def gather_logprobs(
+    raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: list[int | None]
 ) -> list[Logprobs | None]:
-    max_k = min(metadata.max_num_logprobs or 0, raw_logprobs.shape[-1])
+    """Per row: the chosen token's logprob and the row's top ``num_logprobs[row]`` (or None)."""
+    asked = [k for k in num_logprobs if k is not None]
+    max_k = min(max(asked, default=0), raw_logprobs.shape[-1])
     chosen = raw_logprobs.gather(1, token_ids[:, None]).squeeze(1).tolist()
     top_vals, top_ids = raw_logprobs.topk(max_k, dim=-1)
     top_vals_l, top_ids_l = top_vals.tolist(), top_ids.tolist()
     result: list[Logprobs | None] = []
-    for row, k in enumerate(metadata.num_logprobs):
+    for row, k in enumerate(num_logprobs):
         if k is None:
             result.append(None)
         else:

@@ -51,6 +51,7 @@ from compile_runtime.runner.scheduler_output import (
     NewRequestData,
     SchedulerOutput,
 )
+from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +104,7 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_stats = PrefixCacheStats()
+        self.spec_decode_stats = SpecDecodeStats()
 
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -231,6 +233,11 @@ class Scheduler:
             out.scheduled_cached_reqs.new_block_ids.append(new_blocks)
             out.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             out.num_scheduled_tokens[req.req_id] = num_new
+            # Drafts that did not fit the budget wait for the next proposal.
+            num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
+            if num_drafts > 0:
+                out.scheduled_spec_decode_tokens[req.req_id] = req.spec_token_ids[:num_drafts]
+            req.spec_token_ids = []
             budget -= num_new
             i += 1
         preempted_any = self.num_preemptions > preemptions_before
@@ -280,10 +287,10 @@ class Scheduler:
         return out
 
     def _num_tokens_to_compute(self, req: Request, num_computed: int | None = None) -> int:
-        """1 for a decode; the rest of the prompt (maybe capped) while prefilling."""
+        """1 (+ drafts) for a decode; the rest of the prompt (maybe capped) while prefilling."""
         if num_computed is None:
             num_computed = req.num_computed_tokens
-        n = req.num_tokens - num_computed
+        n = req.num_tokens - num_computed + len(req.spec_token_ids)
         if self.long_prefill_token_threshold is not None:
             n = min(n, self.long_prefill_token_threshold)
         return n
@@ -338,6 +345,7 @@ class Scheduler:
             len(req.block_ids),
         )
         self._free_blocks(req)
+        req.spec_token_ids = []
         req.num_computed_tokens = 0
         req.status = RequestStatus.WAITING
         req.num_preemptions += 1
@@ -350,40 +358,68 @@ class Scheduler:
     def update_from_output(
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[Request]:
-        """Advance every scheduled request; return those that finished this step."""
+        """Advance every scheduled request; return those that finished this step.
+
+        A request's tokens after one that stops it are dropped, and deleted from
+        ``runner_output`` too, so whoever reads it next sees what the request got.
+        """
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+        logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=False))
+        spec = scheduler_output.scheduled_spec_decode_tokens
         # Validate before touching any state.
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests.get(req_id)
             if req is None or req.status is not RequestStatus.RUNNING:
                 raise ValueError(f"request {req_id!r} in the scheduler output is not running")
             completes_prompt = req.num_computed_tokens + n >= req.num_tokens
-            token = sampled.get(req_id)
-            if completes_prompt and token is None:
+            tokens = sampled.get(req_id) or []
+            if completes_prompt and not tokens:
                 raise ValueError(
                     f"request {req_id!r} finished its prefill this step but the runner "
                     "returned no sampled token for it"
                 )
-            if not completes_prompt and token is not None:
+            if not completes_prompt and tokens:
                 raise ValueError(
                     f"request {req_id!r} is mid-prefill ({req.num_computed_tokens + n} of "
-                    f"{req.num_tokens} tokens) but the runner sampled token {token} for it"
+                    f"{req.num_tokens} tokens) but the runner sampled tokens {tokens} for it"
+                )
+            if len(tokens) > 1 + len(spec.get(req_id, ())):
+                raise ValueError(
+                    f"request {req_id!r} got {len(tokens)} tokens from a step that verified "
+                    f"{len(spec.get(req_id, ()))} drafts (at most drafts + 1)"
                 )
 
         finished: list[Request] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
-            req.num_computed_tokens += n
+            tokens = sampled.get(req_id) or []
+            drafts = spec.get(req_id, ())
+            if drafts:
+                self.spec_decode_stats.record(len(drafts), len(tokens) - 1)
+            status = None
+            for kept, token in enumerate(tokens, 1):
+                req.output_token_ids.append(token)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    # Tokens after a stop are dropped, from the runner's output too.
+                    del tokens[kept:]
+                    if logprobs.get(req_id) is not None:
+                        del logprobs[req_id][kept:]
+                    break
+            # Rejected drafts' KV is not computed: those slots are written again later.
+            num_rejected = len(drafts) + 1 - len(tokens) if tokens else 0
+            req.num_computed_tokens = min(
+                req.num_computed_tokens + n - num_rejected, req.num_tokens
+            )
             if self.enable_prefix_caching:
                 self._cache_computed_blocks(req)
-            token = sampled.get(req_id)
-            if token is None:
-                continue
-            req.output_token_ids.append(token)
-            status = self._check_stop(req, token)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
+            elif tokens:
+                # Never draft past max_tokens: the next step emits at least one token more.
+                room = req.sampling_params.max_tokens - len(req.output_token_ids) - 1
+                req.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])[: max(room, 0)]
         return finished
 
     @staticmethod

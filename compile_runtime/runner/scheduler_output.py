@@ -40,8 +40,10 @@ class CachedRequestData:
 class SchedulerOutput:
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
-    # req_id -> tokens to compute this step (prefill chunk, or 1 for a decode).
+    # req_id -> tokens to compute this step (prefill chunk, or 1 + drafts for a decode).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> draft tokens to verify after its last token (speculative decoding).
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests that ended or were preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
 
@@ -55,9 +57,12 @@ class ModelRunnerOutput:
     """Per request scheduled this step, in ``req_ids`` order."""
 
     req_ids: list[str] = field(default_factory=list)
-    # One sampled token for a request that finished its prompt; None while a
-    # prompt is still being prefilled in chunks (nothing to sample yet).
-    sampled_token_ids: list[int | None] = field(default_factory=list)
-    # (chosen token logprob, [(token, logprob), ...] top-k) when asked for.
-    logprobs: list[tuple[float, list[tuple[int, float]]] | None] = field(default_factory=list)
+    # The tokens a request got this step: one after its prompt or a decode, up to 1 + its
+    # drafts with speculative decoding (accepted drafts, then one sampled token); empty
+    # while a prompt is still being prefilled in chunks (nothing to sample yet).
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Per token: (chosen token logprob, [(token, logprob), ...] top-k), when asked for.
+    logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] = field(default_factory=list)
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (for metrics)
+    # req_id -> draft tokens proposed for its next step (speculative decoding).
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
