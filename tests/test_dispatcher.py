@@ -75,11 +75,14 @@ def test_full_and_piecewise_uniform_decode_keys():
 
 
 def test_uniform_decode_with_longer_queries():
-    d = dispatcher([1, 2, 4, 6, 8, 12, 16], M.FULL_AND_PIECEWISE, q=4)
-    # Only sizes divisible by the query length make decode graphs.
-    assert d.keys[FULL] == [BD(4, 1, True), BD(8, 2, True), BD(12, 3, True), BD(16, 4, True)]
-    for n, want in [(4, 4), (8, 8), (12, 12), (16, 16)]:
+    d = dispatcher([1, 2, 4, 6, 8], M.FULL_AND_PIECEWISE, q=4)
+    # Decode graphs hold whole requests of 4 tokens (1 + 3 drafts): the capture sizes are
+    # request counts there, so every decode size is a multiple of 4.
+    assert d.keys[FULL] == [BD(4 * r, r, True) for r in [1, 2, 4, 6, 8]]
+    assert d.keys[PW] == [BD(s) for s in [1, 2, 4, 6, 8]]
+    for n, want in [(4, 4), (8, 8), (12, 16), (16, 16), (28, 32)]:
         assert d.dispatch(n, uniform_decode=True) == (FULL, BD(want, want // 4, True))
+    assert d.dispatch(12) == (NONE, BD(12))  # mixed: past the largest piecewise size
     with pytest.raises(ValueError, match="multiple of 4"):
         d.dispatch(6, uniform_decode=True)
 
@@ -125,6 +128,7 @@ def test_capture_descriptors_piecewise_then_full_largest_first():
         (PW, BD(4)),
         (PW, BD(2)),
         (PW, BD(1)),
+        (FULL, BD(16, 8, True)),
         (FULL, BD(8, 4, True)),
         (FULL, BD(4, 2, True)),
         (FULL, BD(2, 1, True)),

@@ -89,8 +89,15 @@ CHUNKED = dict(
 )
 
 
+# Speculative decoding: rank 0 verifies the drafts and broadcasts a variable number of
+# tokens per request; every rank must append the same ones.
+SPECULATIVE = {**CHUNKED, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch, runner", [("qwen2", RUNNER), ("qwen3", CHUNKED)])
+@pytest.mark.parametrize(
+    "arch, runner", [("qwen2", RUNNER), ("qwen3", CHUNKED), ("llama", SPECULATIVE)]
+)
 def test_tp2_piecewise_matches_tp1(model_dirs, arch, runner):
     model_dir = model_dirs(arch)
     with LLM(
@@ -109,6 +116,8 @@ def test_tp2_piecewise_matches_tp1(model_dirs, arch, runner):
             # Again: the prompts' blocks are in the prefix cache; every rank reads the same ones.
             again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
             assert again == tokens and llm.last_stats.prefix_cache.hits > 0
+        if runner is SPECULATIVE:
+            assert llm.last_stats.spec_decode.num_draft_tokens > 0
         pids = llm.executor.pids
     assert_gone(pids)
     assert tokens == tp1_tokens(model_dir)

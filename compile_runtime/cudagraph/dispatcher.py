@@ -60,6 +60,7 @@ class CudagraphDispatcher:
     ):
         self.config = config
         self.capture_sizes = resolve_capture_sizes(config, max_num_tokens)
+        self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.mode = NONE
         self.uniform_decode_query_len = 1
@@ -88,10 +89,13 @@ class CudagraphDispatcher:
         mixed_sizes = self.capture_sizes if mixed != NONE else []
         decode_sizes: list[int] = []
         if decode != NONE and decode != mixed:
+            # Decode graphs hold whole requests of q tokens each: the capture sizes, read as
+            # request counts, times q (for q = 1, the capture sizes themselves).
             decode_sizes = [
-                s
+                q * s
                 for s in self.capture_sizes
-                if s % q == 0 and (self.max_num_reqs is None or s // q <= self.max_num_reqs)
+                if (self.max_num_reqs is None or s <= self.max_num_reqs)
+                and (self.max_num_tokens is None or q * s <= self.max_num_tokens)
             ]
         self._mixed_desc = {s: BatchDescriptor(s) for s in mixed_sizes}
         self._decode_desc = {s: BatchDescriptor(s, s // q, uniform=True) for s in decode_sizes}
