@@ -260,6 +260,20 @@ def test_metrics_report_prefix_cache_hits(server):
     assert server.metric("compile_runtime_prefix_cache_queries_total") - queries > 32
 
 
+def test_speculative_server_streams_the_offline_tokens(chat_model, offline):
+    """Several tokens a step per request (accepted drafts) reach the stream one by one."""
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    s = RunningServer(chat_model, "--speculative-config", spec)
+    try:
+        for prompt in PROMPTS:
+            stream = complete(s, prompt, stream=True)
+            ids = [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]]
+            assert ids == offline[prompt].token_ids
+        assert s.metric("compile_runtime_spec_decode_draft_tokens_total") > 0
+    finally:
+        s.stop()
+
+
 def test_sigterm_lets_the_running_request_finish(model_dirs):
     s = RunningServer(model_dirs("llama"))
     stream = s.client.completions.create(

@@ -15,6 +15,7 @@ from prometheus_client import (
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
+from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
 
 PREFIX = "compile_runtime"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -70,6 +71,17 @@ class ServerMetrics:
             registry=r,
         )
         self._prefix_cache_seen = PrefixCacheStats()
+        self.draft_tokens = Counter(
+            f"{PREFIX}_spec_decode_draft_tokens",
+            "Draft tokens verified (speculative decoding)",
+            registry=r,
+        )
+        self.accepted_tokens = Counter(
+            f"{PREFIX}_spec_decode_accepted_tokens",
+            "Draft tokens accepted (acceptance rate: accepted / draft)",
+            registry=r,
+        )
+        self._spec_seen = SpecDecodeStats()
         self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
@@ -93,6 +105,11 @@ class ServerMetrics:
         self.prefix_cache_queries.inc(new.queries)
         self.prefix_cache_hits.inc(new.hits)
         self._prefix_cache_seen = dataclasses.replace(cache)
+        spec = scheduler.spec_decode_stats
+        new_spec = spec.since(self._spec_seen)
+        self.draft_tokens.inc(new_spec.num_draft_tokens)
+        self.accepted_tokens.inc(new_spec.num_accepted_tokens)
+        self._spec_seen = dataclasses.replace(spec)
         for request in out.finished:
             self.requests.labels(finish_reason=request.finish_reason or "stop").inc()
 
