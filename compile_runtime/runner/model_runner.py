@@ -470,21 +470,21 @@ class ModelRunner:
         if drafts is None and plain:
             # Nothing changes the logits: skip building the batch's sampling tensors.
             return [[t] for t in logits.argmax(dim=-1).tolist()], [None] * len(states)
-        # One sampling row per logits row: a draft position sees the drafts before it as
-        # output (penalties, min_tokens), exactly as the step that would sample it.
-        rows = [
-            RequestSamplingState(
-                params=s.sampling_params,
-                prompt_token_ids=s.prompt_token_ids,
-                output_token_ids=s.output_token_ids + (d[:j] if j else []),
-                eos_token_id=s.eos_token_id,
-                generator=s.generator,
-            )
-            for s, d in zip(states, drafts or [[]] * len(states), strict=True)
-            for j in range(len(d) + 1)
-        ]
         metadata = None
         if not plain:
+            # One sampling row per logits row: a draft position sees the drafts before it as
+            # output (penalties, min_tokens), exactly as the step that would sample it.
+            rows = [
+                RequestSamplingState(
+                    params=s.sampling_params,
+                    prompt_token_ids=s.prompt_token_ids,
+                    output_token_ids=s.output_token_ids + (d[:j] if j else []),
+                    eos_token_id=s.eos_token_id,
+                    generator=s.generator,
+                )
+                for s, d in zip(states, drafts or [[]] * len(states), strict=True)
+                for j in range(len(d) + 1)
+            ]
             metadata = SamplingMetadata.from_requests(
                 rows, vocab_size=logits.shape[-1], device=logits.device
             )
