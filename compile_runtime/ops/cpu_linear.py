@@ -4,9 +4,10 @@
 micro-kernels again on every call. At the row counts of batched decode steps
 that repacking is much of the work: on 2 cores (Sapphire Rapids, fp32, the
 33M Llama's shapes) oneDNN with the weight reordered once into its blocked
-layout took 0.44-0.57x the time at 16-32 rows and 0.6-0.9x at 4-8 rows, while
-below 4 rows (a matrix-vector product, bound by reading the weight) the plain
-call was faster. So ``cpu_linear`` picks per call: packed from
+layout took 0.44-0.57x the time at 16-32 rows, 0.6-0.9x at 4-8 rows and
+0.6x at 3 rows (a speculative decoding step of one request with 2 drafts),
+while at 1-2 rows (a matrix-vector product, bound by reading the weight) the
+plain call was as fast or faster. So ``cpu_linear`` picks per call: packed from
 ``PACKED_MIN_ROWS`` rows up, ``F.linear`` below.
 
 The packed copy is an opaque MKLDNN tensor that Dynamo cannot trace, so it
@@ -33,7 +34,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 OP_NAME = "compile_runtime::cpu_linear"
-PACKED_MIN_ROWS = 4
+PACKED_MIN_ROWS = 3
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 

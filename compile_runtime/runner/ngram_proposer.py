@@ -8,14 +8,16 @@ model accepts; text that does not gives no match and so no draft: a request
 without a match is scheduled for one token as usual, so speculation costs
 nothing but the lookup where it cannot help.
 
-The lookup is vectorised over the batch: one comparison of every window of
-every row against that row's suffix per n, on the persistent token array.
+The lookup is vectorised over the batch and costs one comparison of the
+token array per n: a match of the last n tokens ending at position j is a
+match of the last n - 1 tokens ending at j and the n-th last token at
+j - n + 1, so the masks are built up from n = 1 and the search stops as soon
+as no row has a match left (usually at n = 2 for text that does not repeat).
 """
 
 from __future__ import annotations
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 class NgramProposer:
@@ -35,24 +37,24 @@ class NgramProposer:
         lengths = num_tokens.astype(np.int64)
         width = int(lengths.max())
         tokens = token_ids[:, :width]
-        start = np.full(num_rows, -1, dtype=np.int64)  # where the draft starts, per row
-        for n in range(self.max_n, self.min_n - 1, -1):
-            todo = np.nonzero((start < 0) & (lengths > n))[0]
-            if not todo.size or width <= n:
-                continue
-            rows = tokens[todo]
-            suffix = rows[np.arange(len(todo))[:, None], lengths[todo, None] - n + np.arange(n)]
-            # windows[r, i] = rows[r, i : i + n]; a match needs a known token after it (which
-            # also rules out the suffix itself).
-            windows = sliding_window_view(rows, n, axis=1)
-            match = (windows == suffix[:, None, :]).all(axis=2)
-            positions = np.arange(match.shape[1])
-            match &= positions[None, :] <= (lengths[todo] - n - 1)[:, None]
+        rows = np.arange(num_rows)
+        # A match may end at j only if a known token follows it (which also rules out the
+        # suffix itself): j <= length - 2.
+        match = np.arange(width)[None, :] <= (lengths - 2)[:, None]
+        end = np.full(num_rows, -1, dtype=np.int64)  # the best match's last position
+        for n in range(1, self.max_n + 1):
+            # match[r, j]: tokens[r, j - n + 1 : j + 1] equal the row's last n tokens.
+            nth_last = tokens[rows, np.maximum(lengths - n, 0)]
+            match[:, n - 1 :] &= tokens[:, : width - n + 1] == nth_last[:, None]
+            match[:, : n - 1] = False
             found = match.any(axis=1)
-            last = match.shape[1] - 1 - np.argmax(match[:, ::-1], axis=1)
-            start[todo[found]] = last[found] + n
-        for row in np.nonzero(start >= 0)[0].tolist():
-            begin = int(start[row])
-            end = min(begin + self.k, int(lengths[row]))
-            drafts[row] = token_ids[row, begin:end].tolist()
+            if not found.any():
+                break
+            if n >= self.min_n:  # a longer match overrides a shorter one
+                last = width - 1 - np.argmax(match[:, ::-1], axis=1)
+                end[found] = last[found]
+        for row in np.nonzero(end >= 0)[0].tolist():
+            begin = int(end[row]) + 1
+            stop = min(begin + self.k, int(lengths[row]))
+            drafts[row] = token_ids[row, begin:stop].tolist()
         return drafts
