@@ -594,8 +594,8 @@ class RunnerConfig(CheckedConfig):
                 raise ValueError(f"not valid JSON ({e}): {v!r}") from None
         return v
 
-    # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs from 3 rows
-    # up, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
+    # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs at every row
+    # count, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True
     # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
     num_threads: int | None = Field(

@@ -1,14 +1,13 @@
 """Linear layers on CPU with weights packed once for oneDNN.
 
 ``F.linear`` on CPU calls MKL's sgemm, which lays the weight out for its
-micro-kernels again on every call. At the row counts of batched decode steps
-that repacking is much of the work: on 2 cores (Sapphire Rapids, fp32, the
-33M Llama's shapes) oneDNN with the weight reordered once into its blocked
-layout took 0.44-0.57x the time at 16-32 rows, 0.6-0.9x at 4-8 rows and
-0.6x at 3 rows (a speculative decoding step of one request with 2 drafts),
-while at 1-2 rows (a matrix-vector product, bound by reading the weight) the
-plain call was as fast or faster. So ``cpu_linear`` picks per call: packed from
-``PACKED_MIN_ROWS`` rows up, ``F.linear`` below.
+micro-kernels again on every call. oneDNN with the weight reordered once into
+its blocked layout is faster at every row count the runtime runs: measured in
+the 33M Llama's decode steps on 2 cores (Sapphire Rapids, fp32), a step took
+0.6x the time at 1 row (7.4 vs 12.2 ms), 0.4x at 2 rows, 0.44-0.57x at 16-32
+rows. (An isolated benchmark of a few weights that stay in cache shows the plain
+call ahead at 1-2 rows; with a whole model's weights streaming from memory it is
+not.) So ``cpu_linear`` uses the packed weight whenever there is one.
 
 The packed copy is an opaque MKLDNN tensor that Dynamo cannot trace, so it
 lives in a side table keyed by the weight, not in the module: the graph sees
@@ -34,7 +33,6 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 OP_NAME = "compile_runtime::cpu_linear"
-PACKED_MIN_ROWS = 3
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -69,11 +67,10 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
-    rows = x.shape[0] if two_d else x.numel() // x.shape[-1]
-    packed = _lookup(weight) if rows >= PACKED_MIN_ROWS else None
+    packed = _lookup(weight)
     if packed is None:
         return F.linear(x, weight, bias)
+    two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
     flat = x if two_d else x.reshape(-1, x.shape[-1])
     out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
     return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
