@@ -10,6 +10,7 @@ import torch
 from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
 from transformers import AutoModelForCausalLM
 
+from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
 from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.kv_sizing import most_blocks_needed
@@ -62,6 +63,27 @@ def test_triton_in_every_graph_mode_gives_transformers_tokens(
     monkeypatch.setenv(ATTENTION_ENV, "triton")
     model_dir, expected = reference
     assert run(model_dir, cudagraph_mode) == expected
+
+
+@pytest.mark.parametrize("cudagraph_mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
+def test_speculative_decode_batches_replay_graphs_and_keep_transformers_tokens(
+    reference, cudagraph_mode, monkeypatch
+):
+    """1 + k tokens per request is the uniform decode batch: FULL graphs of request counts
+    times 1 + k under FULL_AND_PIECEWISE (Triton attention supports uniform batches)."""
+    monkeypatch.setenv(ATTENTION_ENV, "triton")
+    model_dir, expected = reference
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    config = {"backend": "eager", "cudagraph_mode": cudagraph_mode, **GRAPHS}
+    with LLM(model_dir, config, speculative_config=spec, **RUNNER) as llm:
+        keys = llm.runner.dispatcher.keys
+        if cudagraph_mode == "FULL_AND_PIECEWISE":
+            assert keys[CUDAGraphMode.FULL] and all(
+                d.num_tokens % 3 == 0 and d.uniform for d in keys[CUDAGraphMode.FULL]
+            )
+        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        assert llm.last_stats.spec_decode.num_draft_tokens > 0
+    assert tokens == expected
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
