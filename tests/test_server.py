@@ -260,6 +260,25 @@ def test_metrics_report_prefix_cache_hits(server):
     assert server.metric("compile_runtime_prefix_cache_queries_total") - queries > 32
 
 
+def test_echo_returns_the_prompt_and_its_logprobs(server, chat_model):
+    """As evaluation harnesses use it: echo + logprobs scores the prompt's own tokens."""
+    prompt = PROMPTS[0]
+    response = complete(server, prompt, echo=True, logprobs=2, max_tokens=2)
+    (choice,) = response.choices
+    llm = LLM(chat_model, CONFIG, max_model_len=MAX_MODEL_LEN)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    (expected,) = llm.generate([prompt], params, progress=False)
+    llm.shutdown()
+    n_prompt = len(expected.prompt_token_ids)
+    assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
+    logprobs = choice.logprobs.token_logprobs
+    assert len(logprobs) == n_prompt + 2 and logprobs[0] is None
+    want = [lp[0] for lp in expected.prompt_logprobs[1:]]
+    assert logprobs[1:n_prompt] == pytest.approx(want, abs=1e-4)
+    with pytest.raises(openai.BadRequestError, match="echo is not supported with stream"):
+        complete(server, prompt, echo=True, stream=True)
+
+
 def test_speculative_server_streams_the_offline_tokens(chat_model, offline):
     """Several tokens a step per request (accepted drafts) reach the stream one by one."""
     spec = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'

@@ -65,6 +65,9 @@ class RequestStream:
         self.first_token_at: float | None = None
         self.last_token_at: float | None = None
         self.waiting = True  # counted in AsyncEngine.num_waiting until its first event
+        # Per prompt token (None for the first), when the request asked for prompt logprobs;
+        # complete once the first token arrives (written by the engine thread before it).
+        self.prompt_logprobs: list | None = None
 
     def push(self, event: Event) -> None:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, event)
@@ -204,6 +207,12 @@ class AsyncEngine:
 
     def _collect_events(self, out: StepOutput, batches: dict) -> None:
         now = time.perf_counter()
+        for req_id, (first, lps) in out.prompt_logprobs.items():
+            stream = self.streams.get(req_id)
+            if stream is not None:
+                if stream.prompt_logprobs is None:
+                    stream.prompt_logprobs = [None] * len(stream.request.prompt_token_ids)
+                stream.prompt_logprobs[first : first + len(lps)] = lps
         for req_id, token, logprobs in out.tokens:
             stream = self.streams.get(req_id)
             if stream is None:

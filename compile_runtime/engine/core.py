@@ -35,6 +35,8 @@ class StepOutput:
     num_scheduled_tokens: int = 0
     seconds: float = 0.0
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (rank 0)
+    # req_id -> (first prompt position, logprobs of the prompt tokens from there).
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -98,4 +100,5 @@ class EngineCore:
             num_scheduled_tokens=sum(counts.values()),
             seconds=time.perf_counter() - start,
             runtime_mode=out.runtime_mode,
+            prompt_logprobs=out.prompt_logprobs,
         )

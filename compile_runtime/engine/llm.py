@@ -86,6 +86,8 @@ class RequestOutput:
     finish_reason: str | None
     logprobs: list | None = None
     first_token_seconds: float | None = None  # from generate() start to the first token
+    # Per prompt token: None for the first, then (logprob, top-k) given the tokens before it.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -240,6 +242,11 @@ class LLM:
         spec_before = dataclasses.replace(self.scheduler.spec_decode_stats)
         first_token: dict[str, float] = {}
         logprobs: dict[str, list] = {r.req_id: [] for r in requests}
+        prompt_logprobs = {
+            r.req_id: [None] * len(r.prompt_token_ids)
+            for r in requests
+            if r.sampling_params.prompt_logprobs is not None
+        }
         start = time.perf_counter()
         bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
         try:
@@ -253,6 +260,9 @@ class LLM:
                     first_token.setdefault(req_id, now)
                     if lp is not None and req_id in logprobs:
                         logprobs[req_id].append(lp)
+                for req_id, (first, lps) in step.prompt_logprobs.items():
+                    if req_id in prompt_logprobs:  # a restart after preemption: same values
+                        prompt_logprobs[req_id][first : first + len(lps)] = lps
                 bar.update(len(step.finished))
                 stats.steps += 1
                 stats.scheduled_tokens += step.num_scheduled_tokens
@@ -279,6 +289,7 @@ class LLM:
                 finish_reason=r.finish_reason,
                 logprobs=logprobs[r.req_id] if r.sampling_params.logprobs is not None else None,
                 first_token_seconds=first_token.get(r.req_id),
+                prompt_logprobs=prompt_logprobs.get(r.req_id),
             )
             for r in requests
         ]

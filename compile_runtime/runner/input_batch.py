@@ -47,6 +47,7 @@ class InputBatch:
         max_blocks = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_reqs, max_blocks, block_size, device)
         self.requests: dict[str, RequestState] = {}
+        self.prompt_logprob_req_ids: set[str] = set()  # requests that want prompt logprobs
         self._free_rows = list(range(max_num_reqs - 1, -1, -1))  # pop() gives the lowest
 
     def __len__(self) -> int:
@@ -82,12 +83,15 @@ class InputBatch:
             generator=generator,
         )
         self.requests[new.req_id] = state
+        if new.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprob_req_ids.add(new.req_id)
         return state
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)
         if state is None:
             return
+        self.prompt_logprob_req_ids.discard(req_id)
         self.block_table.clear_row(state.row)
         self._free_rows.append(state.row)
         self._free_rows.sort(reverse=True)

@@ -55,7 +55,7 @@ from compile_runtime.runner.kv_sizing import (
 )
 from compile_runtime.runner.ngram_proposer import NgramProposer
 from compile_runtime.runner.rejection_sampler import rejection_sample
-from compile_runtime.runner.sampler import Sampler
+from compile_runtime.runner.sampler import Sampler, gather_logprobs
 from compile_runtime.runner.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
@@ -75,6 +75,7 @@ class ExecuteModelState:
     sampling_req_ids: list[str]  # requests whose prompt is complete: they get tokens
     runtime_mode: str | None = None
     drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
+    prompt_logprobs: dict[str, tuple[int, list]] | None = None
 
 
 class ModelRunnerError(RuntimeError):
@@ -448,8 +449,18 @@ class ModelRunner:
         # The last num_logits positions of each sampling request, in order.
         ends = np.repeat(cu[sampling_idx], num_logits)
         back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(int(num_logits.sum()))
-        logits_idx = torch.from_numpy(ends - back).to(self.device)
-        logits = self.model.compute_logits(hidden[logits_idx])
+        logits_idx = ends - back
+        prompt_spans = self._prompt_logprob_spans(req_ids, computed, num_sched, cu)
+        if prompt_spans:  # one logits call (a collective under TP) for both kinds of rows
+            logits_idx = np.concatenate(
+                [logits_idx, *(np.arange(f, f + m) for _, _, f, m in prompt_spans)]
+            )
+        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
+        prompt_logprobs = {}
+        if prompt_spans and logits is not None:
+            sampled_rows = int(num_logits.sum())
+            prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[sampled_rows:])
+            logits = logits[:sampled_rows]
         batch.num_computed_tokens[rows] = seq_lens
         self.execute_state = ExecuteModelState(
             req_ids=req_ids,
@@ -457,7 +468,44 @@ class ModelRunner:
             sampling_req_ids=sampling_req_ids,
             runtime_mode=mode.name,
             drafts=drafts,
+            prompt_logprobs=prompt_logprobs,
         )
+
+    def _prompt_logprob_spans(
+        self, req_ids: list[str], computed: np.ndarray, num_sched: np.ndarray, cu: np.ndarray
+    ) -> list[tuple[str, int, int, int]]:
+        """(request, first position, flat row, count) of this step's prompt positions whose
+        next token is a prompt token, for the requests that want prompt logprobs."""
+        batch = self.input_batch
+        if not batch.prompt_logprob_req_ids:
+            return []
+        spans = []
+        for i, req_id in enumerate(req_ids):
+            if req_id not in batch.prompt_logprob_req_ids:
+                continue
+            first = int(computed[i])
+            end = min(first + int(num_sched[i]), len(batch.requests[req_id].prompt_token_ids) - 1)
+            if end > first:
+                spans.append((req_id, first, int(cu[i] - num_sched[i]), end - first))
+        return spans
+
+    def _prompt_logprobs(
+        self, spans: list[tuple[str, int, int, int]], logits: torch.Tensor
+    ) -> dict[str, tuple[int, list]]:
+        """Per request: (position of the first prompt token scored, its logprobs onward)."""
+        batch = self.input_batch
+        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+        targets, top_k = [], []
+        for req_id, first, _, count in spans:
+            row = batch.requests[req_id].row
+            targets.append(torch.from_numpy(batch.token_ids[row, first + 1 : first + 1 + count]))
+            top_k += [batch.requests[req_id].sampling_params.prompt_logprobs] * count
+        flat = gather_logprobs(raw, torch.cat(targets).to(raw.device), top_k)
+        out, at = {}, 0
+        for req_id, first, _, count in spans:
+            out[req_id] = (first + 1, flat[at : at + count])
+            at += count
+        return out
 
     def _sample(
         self, logits: torch.Tensor, states: list, drafts: list[list[int]] | None
@@ -510,7 +558,11 @@ class ModelRunner:
         if state is None:
             raise ModelRunnerError("sample_tokens() needs a preceding execute_model()")
         self.execute_state = None
-        output = ModelRunnerOutput(req_ids=list(state.req_ids), runtime_mode=state.runtime_mode)
+        output = ModelRunnerOutput(
+            req_ids=list(state.req_ids),
+            runtime_mode=state.runtime_mode,
+            prompt_logprobs=state.prompt_logprobs or {},
+        )
         req_ids = state.sampling_req_ids
         tokens: list[list[int]] = []
         logprobs: list = []

@@ -24,6 +24,9 @@ class SamplingParams(BaseModel):
     # The range torch.Generator.manual_seed takes.
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     logprobs: int | None = Field(default=None, ge=0)  # top-k logprobs to return
+    # Logprobs of every prompt token after the first (and the top-k at each position): the
+    # prompt is computed in full for them, never taken from the prefix cache.
+    prompt_logprobs: int | None = Field(default=None, ge=0)
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> SamplingParams:

@@ -297,8 +297,8 @@ class Scheduler:
 
     def _find_cached_prefix(self, req: Request) -> list[int]:
         """Cached blocks holding the longest prefix of req's tokens, short of its last token."""
-        if not self.enable_prefix_caching:
-            return []
+        if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
+            return []  # prompt logprobs need every prompt position computed
         # At least the last token is computed: it gives the logits of the next token.
         num_blocks = (req.num_tokens - 1) // self.block_size
         hashes = extend_block_hashes(req, num_blocks, self.block_size)

@@ -66,3 +66,6 @@ class ModelRunnerOutput:
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (for metrics)
     # req_id -> draft tokens proposed for its next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # req_id -> (first prompt position, logprobs of the prompt tokens from there) for the
+    # prompt positions this step computed, when the request asked for prompt logprobs.
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

@@ -128,7 +128,13 @@ class Server:
 
     # ---- requests ---------------------------------------------------------------------
 
-    def _params(self, body: SamplingFields, max_tokens: int | None, logprobs: int | None):
+    def _params(
+        self,
+        body: SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ):
         if body.model != self.model_name:
             raise APIError(
                 400, f"model {body.model!r} is not served here; use {self.model_name!r}", "model"
@@ -153,6 +159,7 @@ class Server:
                     presence_penalty=body.presence_penalty,
                     logit_bias=bias,
                     logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
                     ignore_eos=body.ignore_eos,
                 )
                 for i in range(body.n)
@@ -290,7 +297,9 @@ class Server:
             "total_tokens": prompt + completion,
         }
 
-    def _completion_logprobs(self, choice: Choice) -> dict[str, Any] | None:
+    def _completion_logprobs(self, choice: Choice, echo: bool = False) -> dict[str, Any] | None:
+        """OpenAI's logprobs object; with ``echo`` the prompt's tokens come first (the first
+        without a logprob: nothing precedes it)."""
         if not choice.logprobs:
             return None
         tok = self.llm.tokenizer
@@ -298,12 +307,28 @@ class Server:
         def text(t: int) -> str:
             return tok.decode([t]) if tok is not None else str(t)
 
+        token_ids, entries = list(choice.token_ids), list(choice.logprobs)
+        if echo:
+            token_ids = choice.stream.request.prompt_token_ids + token_ids
+            entries = (choice.stream.prompt_logprobs or []) + entries
         return {
-            "tokens": [text(t) for t in choice.token_ids],
-            "token_logprobs": [lp[0] for lp in choice.logprobs],
-            "top_logprobs": [{text(t): v for t, v in lp[1]} for lp in choice.logprobs],
+            "tokens": [text(t) for t in token_ids],
+            "token_logprobs": [None if lp is None else lp[0] for lp in entries],
+            "top_logprobs": [
+                None if lp is None else {text(t): v for t, v in lp[1]} for lp in entries
+            ],
             "text_offset": [],
         }
+
+    def _prompt_text(self, prompt: Any, prompts: list[list[int]], index: int) -> str:
+        """Prompt ``index`` as the client sent it (text), or its ids decoded (``echo``)."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[index], str):
+            return prompt[index]
+        tok = self.llm.tokenizer
+        ids = prompts[index]
+        return tok.decode(ids, skip_special_tokens=True) if tok is not None else ""
 
     def _prompts(self, prompt: Any) -> list[list[int]]:
         if isinstance(prompt, str):
@@ -323,8 +348,15 @@ class Server:
         return out
 
     async def completions(self, body: CompletionRequest) -> Any:
+        if body.echo and body.stream:
+            raise APIError(400, "echo is not supported with stream=true; drop one", "echo")
         prompts = self._prompts(body.prompt)
-        params = self._params(body, body.max_tokens or DEFAULT_COMPLETION_TOKENS, body.logprobs)
+        params = self._params(
+            body,
+            body.max_tokens or DEFAULT_COMPLETION_TOKENS,
+            body.logprobs,
+            prompt_logprobs=body.logprobs if body.echo else None,
+        )
         choices = self._submit(prompts, params, body.stop_strings())
         envelope = self._envelope("cmpl")
 
@@ -349,8 +381,10 @@ class Server:
             [
                 {
                     "index": c.index,
-                    "text": c.text,
-                    "logprobs": self._completion_logprobs(c),
+                    "text": self._prompt_text(body.prompt, prompts, c.index // body.n) + c.text
+                    if body.echo
+                    else c.text,
+                    "logprobs": self._completion_logprobs(c, body.echo),
                     "finish_reason": c.finish_reason,
                     "token_ids": c.token_ids,
                 }
