@@ -3,14 +3,18 @@
 ``execute_model`` applies the scheduler's differences to the persistent
 batch, flattens the step's tokens into persistent buffers, asks the
 dispatcher for the runtime mode and padded size, builds attention metadata
-once and runs the forward inside a forward context. ``sample_tokens`` then
-samples the last position of each request whose prompt is complete. The state
-between the two calls lives in one ``ExecuteModelState``.
+once and runs the forward inside a forward context, then computes logits in
+one call: the last position of each request whose prompt is complete, every
+draft position of a request verifying drafts (speculative decoding), and the
+prompt positions of requests that asked for prompt logprobs. ``sample_tokens``
+then samples (or verifies drafts with the rejection sampler) and, with
+speculative decoding, proposes the next drafts. The state between the two
+calls lives in one ``ExecuteModelState``.
 
 Under tensor parallelism every rank runs its own runner on the same
 scheduler output (so the persistent batches stay identical); the logits are
-gathered on rank 0, which samples and broadcasts the sampled token ids so
-that every rank appends the same tokens.
+gathered on rank 0, which samples and broadcasts the tokens each request got
+so that every rank appends the same ones.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Continuous batching over a paged KV cache.
 
 Each step has a token budget (max_num_batched_tokens). Running requests are
-served first, oldest first: a decode costs one token, a prompt still being
-prefilled takes what is left of it (up to the budget). Then waiting requests
+served first, oldest first: a decode costs one token (plus its draft tokens
+under speculative decoding: the runner proposes them, the scheduler caps them
+at max_tokens and the budget, and counts only the accepted ones as computed),
+a prompt still being prefilled takes what is left of it (up to the budget). Then waiting requests
 join in FIFO order while there is budget and room for another sequence; a
 long prompt is cut to the remaining budget and finished over later steps
 (chunked prefill).
