@@ -203,7 +203,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip the transformers side")
     p.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "cr_llama_33m"))
-    p.add_argument("--out", default="benchmarks/results/prefix_cache.json")
+    p.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "results", "prefix_cache.json")
+    )
     return p.parse_args()
 
 
