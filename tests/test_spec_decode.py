@@ -341,3 +341,11 @@ def test_cli_generate_reports_acceptance(model_dirs, capsys):
     )
     assert code == 0
     assert "draft tokens accepted" in capsys.readouterr().out
+
+
+def test_a_draft_holding_all_of_the_probability_is_always_accepted():
+    logits = torch.full((2, 8), -1e9)
+    logits[:, 5] = 0.0  # p(5) = 1: no residual to draw a replacement from
+    meta = metadata_for([SamplingParams(temperature=1.0)] * 2)
+    for _ in range(20):
+        assert rejection_sample(logits, [[5]], meta).token_ids == [[5, 5]]

@@ -140,4 +140,6 @@ def _draw(
         u[row] = torch.rand(1, generator=gen, device=device)[0]
     residual = probs.clone()
     residual[rows, ids] = 0.0
+    # A draft holding all of p (up to rounding) has no residual to draw from: it stands.
+    p_draft[rows] = torch.where(residual[rows].sum(dim=-1) > 0, p_draft[rows], 1.0)
     return (u < p_draft).tolist(), exponential_race(residual, metadata.generators).tolist()
