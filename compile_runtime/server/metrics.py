@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -11,11 +9,11 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
+from prometheus_client.core import CounterMetricFamily
 
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
-from compile_runtime.runner.prefix_cache import PrefixCacheStats
-from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
+from compile_runtime.runner.scheduler import Scheduler
 
 PREFIX = "compile_runtime"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -60,28 +58,7 @@ class ServerMetrics:
         self.steps = Counter(
             f"{PREFIX}_steps", "Engine steps, by CUDA graph runtime mode", ["mode"], registry=r
         )
-        self.prefix_cache_queries = Counter(
-            f"{PREFIX}_prefix_cache_queries",
-            "Prompt tokens looked up in the prefix cache",
-            registry=r,
-        )
-        self.prefix_cache_hits = Counter(
-            f"{PREFIX}_prefix_cache_hits",
-            "Prompt tokens found in the prefix cache (hit rate: hits / queries)",
-            registry=r,
-        )
-        self._prefix_cache_seen = PrefixCacheStats()
-        self.draft_tokens = Counter(
-            f"{PREFIX}_spec_decode_draft_tokens",
-            "Draft tokens verified (speculative decoding)",
-            registry=r,
-        )
-        self.accepted_tokens = Counter(
-            f"{PREFIX}_spec_decode_accepted_tokens",
-            "Draft tokens accepted (acceptance rate: accepted / draft)",
-            registry=r,
-        )
-        self._spec_seen = SpecDecodeStats()
+        r.register(SchedulerTotals(engine.core.scheduler))
         self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
@@ -100,16 +77,6 @@ class ServerMetrics:
         self.waiting.set(engine.num_waiting)
         self.kv_blocks.set(engine.core.num_blocks_in_use)
         self.steps.labels(mode=out.runtime_mode or "NONE").inc()
-        cache = scheduler.prefix_cache_stats
-        new = cache.since(self._prefix_cache_seen)
-        self.prefix_cache_queries.inc(new.queries)
-        self.prefix_cache_hits.inc(new.hits)
-        self._prefix_cache_seen = dataclasses.replace(cache)
-        spec = scheduler.spec_decode_stats
-        new_spec = spec.since(self._spec_seen)
-        self.draft_tokens.inc(new_spec.num_draft_tokens)
-        self.accepted_tokens.inc(new_spec.num_accepted_tokens)
-        self._spec_seen = dataclasses.replace(spec)
         for request in out.finished:
             self.requests.labels(finish_reason=request.finish_reason or "stop").inc()
 
@@ -121,3 +88,32 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class SchedulerTotals:
+    """Counters the scheduler already keeps as running totals, read at scrape time."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.scheduler = scheduler
+
+    def collect(self):
+        cache, spec = self.scheduler.prefix_cache_stats, self.scheduler.spec_decode_stats
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queries),
+            (
+                "prefix_cache_hits",
+                "Prompt tokens found in the prefix cache (hit rate: hits / queries)",
+                cache.hits,
+            ),
+            (
+                "spec_decode_draft_tokens",
+                "Draft tokens verified (speculative decoding)",
+                spec.num_draft_tokens,
+            ),
+            (
+                "spec_decode_accepted_tokens",
+                "Draft tokens accepted (acceptance rate: accepted / draft)",
+                spec.num_accepted_tokens,
+            ),
+        ):
+            yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
