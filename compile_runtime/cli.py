@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
+from compile_runtime.models.dtype import DTYPE_CHOICES
 from compile_runtime.runner.model_runner import ModelRunnerError
 from compile_runtime.version import __version__
 
@@ -117,20 +118,30 @@ def _engine(args: argparse.Namespace):
     """The ``LLM`` the engine arguments describe (``add_engine_arguments``)."""
     from compile_runtime.engine.llm import LLM
 
+    # Sizes the user left out stay unset: the engine picks them for the model and machine.
+    sizes = {
+        name: getattr(args, name)
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "kv_cache_bytes",
+            "kv_cache_memory_fraction",
+        )
+        if getattr(args, name) is not None
+    }
     return LLM(
         args.model,
         parse_config(args.compilation_config),
         dtype=args.dtype,
         device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
+        **sizes,
     )
 
 
@@ -238,16 +249,49 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """What builds the engine (``_engine``), shared by ``generate`` and ``serve``."""
-    p.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    p.add_argument(
+        "--model",
+        required=True,
+        help="model directory (config.json + safetensors) or a .gguf file",
+    )
     p.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=list(DTYPE_CHOICES),
+        help="auto: the checkpoint's where this machine runs it well (bf16 on a CPU with "
+        "AVX512-BF16/AMX for 16-bit and quantized checkpoints), else float32",
+    )
     p.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"
     )
-    p.add_argument("--max-num-seqs", type=positive_int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=positive_int, default=256)
     p.add_argument(
-        "--max-model-len", type=positive_int, default=512, help="prompt + output tokens per request"
+        "--max-num-seqs", type=positive_int, default=None, help="requests per step (default 256)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=positive_int,
+        default=None,
+        help="tokens per step (default 2048)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=positive_int,
+        default=None,
+        help="prompt + output tokens per request (default: the model's positions, capped by "
+        "what the KV cache holds)",
+    )
+    p.add_argument(
+        "--kv-cache-bytes",
+        type=positive_int,
+        default=None,
+        help="CPU: bytes of KV cache (default: --kv-cache-memory-fraction of the available RAM)",
+    )
+    p.add_argument(
+        "--kv-cache-memory-fraction",
+        type=_float_in(0.0, 0.9, low_open=True),
+        default=None,
+        help="CPU: fraction of the available RAM for the KV cache (default 0.2)",
     )
     p.add_argument("--use-transformers", action="store_true", help="run through the adapter")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1)

@@ -552,20 +552,34 @@ class SpeculativeConfig(CheckedConfig):
 class RunnerConfig(CheckedConfig):
     """Sizes of the runner's batch and KV cache (the same on every rank)."""
 
-    max_num_seqs: int = Field(16, ge=1, description="requests in one step, e.g. 16")
+    # Defaults chosen on the real model (SmolLM2-135M, 2 CPU cores, the mixed workload of
+    # benchmarks/vs_vllm.py): enough requests and tokens per step that a CPU's GEMMs run at
+    # full width; runner/kv_sizing.py fills what is None from the model and the machine.
+    max_num_seqs: int = Field(256, ge=1, description="requests in one step, e.g. 256")
     max_num_batched_tokens: int = Field(
-        256, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 256"
+        2048, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 2048"
     )
-    max_model_len: int = Field(
-        512,
+    max_model_len: int | None = Field(
+        None,
         ge=1,
-        description="prompt + output tokens of one request; at most the model's "
-        "max_position_embeddings",
+        description="prompt + output tokens of one request; None: the model's "
+        "max_position_embeddings, capped by what the KV cache holds",
     )
     block_size: int = Field(16, ge=1, description="tokens per KV cache block, e.g. 16")
-    # CPU: the KV cache's byte budget. CUDA: fraction of device memory to use.
-    kv_cache_bytes: int = Field(
-        64 * 2**20, ge=1, description="bytes of KV cache on a CPU, e.g. 64 MiB = 67108864"
+    # CPU: the KV cache's byte budget (None: kv_cache_memory_fraction of the available RAM).
+    # CUDA: gpu_memory_utilization decides.
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of KV cache on a CPU, e.g. 2 GiB = 2147483648; None: "
+        "kv_cache_memory_fraction of the available RAM",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        le=0.9,
+        description="CPU: fraction of the available RAM the KV cache takes when "
+        "kv_cache_bytes is None, e.g. 0.2",
     )
     gpu_memory_utilization: float = Field(
         0.85, gt=0.0, le=1.0, description="fraction of GPU memory this engine may use, e.g. 0.85"
@@ -605,7 +619,11 @@ class RunnerConfig(CheckedConfig):
     def check_model(self, hf_config: Any, model_dir: str) -> None:
         """Reject a max_model_len past the positions the model has (its rotary table ends there)."""
         max_positions = getattr(hf_config, "max_position_embeddings", None)
-        if max_positions is not None and self.max_model_len > max_positions:
+        if (
+            max_positions is not None
+            and self.max_model_len is not None
+            and self.max_model_len > max_positions
+        ):
             raise ConfigError(
                 f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "

@@ -112,7 +112,7 @@ def cached_sched(**kw) -> Scheduler:
 
 def request(req_id: str, prompt: list[int], max_tokens: int = 3) -> Request:
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    return Request(req_id, list(prompt), params, eos_token_id=2)
+    return Request(req_id, list(prompt), params, eos_token_ids=(2,))
 
 
 def step(s: Scheduler, runner: FakeRunner):

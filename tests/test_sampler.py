@@ -41,7 +41,7 @@ def metadata(
     outputs = outputs or [[] for _ in range(n)]
     generators = generators or [None] * n
     states = [
-        RequestSamplingState(p, pr, out, eos, g)
+        RequestSamplingState(p, pr, out, () if eos is None else (eos,), g)
         for p, pr, out, g in zip(params, prompts, outputs, generators, strict=True)
     ]
     return SamplingMetadata.from_requests(states, vocab_size=vocab)

@@ -141,7 +141,7 @@ def run(
 
 def req(req_id: str, prompt_len: int, **params) -> Request:
     prompt = [10 + (i % 50) for i in range(prompt_len)]
-    return Request(req_id, prompt, SamplingParams(**params), eos_token_id=EOS)
+    return Request(req_id, prompt, SamplingParams(**params), eos_token_ids=(EOS,))
 
 
 def sched(**kw) -> Scheduler:

@@ -186,7 +186,7 @@ def test_tokens_after_a_stop_inside_accepted_drafts_are_dropped():
     s = Scheduler(num_blocks=32, block_size=4, max_num_seqs=2, max_num_batched_tokens=16)
     runner = FakeRunner(4, propose=lambda rid, n: [count_up(rid, n + i) for i in range(3)])
     params = SamplingParams(max_tokens=10, stop_token_ids=[1002])
-    s.add_request(Request("a", [5, 6], params, eos_token_id=2))
+    s.add_request(Request("a", [5, 6], params, eos_token_ids=(2,)))
     finished, _ = run(s, runner)
     assert finished["a"].output_token_ids == [1000, 1001, 1002]
     assert s.block_pool.num_free == s.block_pool.num_usable

@@ -15,6 +15,8 @@ graph. Its contents are garbage by design and nothing valid ever reads it.
 from __future__ import annotations
 
 import logging
+import math
+import mmap
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
@@ -72,7 +74,7 @@ def allocate_kv_cache(
         if layer.layer_name in shared:
             continue
         shape = kv_cache_shape(num_blocks, block_size, layer.num_kv_heads, layer.head_size)
-        caches[layer.layer_name] = torch.zeros(shape, dtype=dtype, device=device)
+        caches[layer.layer_name] = _zeros(shape, dtype, device)
     for name, target in shared.items():
         if target not in caches:
             raise ValueError(
@@ -91,6 +93,21 @@ def allocate_kv_cache(
         / 2**20,
     )
     return caches
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed cache tensor. On a CPU, anonymous memory the kernel zeroes page by page on
+    first touch: a cache sized from the machine's RAM costs no time at start-up and no
+    memory until requests fill it (``torch.zeros`` writes every byte up front: seconds for
+    a few GiB)."""
+    if torch.device(device or "cpu").type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * itemsize
+    if nbytes == 0:
+        return torch.zeros(shape, dtype=dtype)
+    buffer = mmap.mmap(-1, nbytes)  # the tensor keeps it alive
+    return torch.frombuffer(buffer, dtype=dtype).view(shape)
 
 
 def _check_shape(layer: Attention, cache: torch.Tensor) -> None:

@@ -16,6 +16,7 @@ stuck in a collective), and later calls say the executor is shut down.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import itertools
@@ -40,7 +41,10 @@ from compile_runtime.config import (
 from compile_runtime.device import default_device
 from compile_runtime.engine.core import EngineCore, StepError
 from compile_runtime.executor import Executor, make_executor
+from compile_runtime.models.dtype import resolve_dtype
+from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.runner.cpu_threads import resolve_num_threads
+from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
 from compile_runtime.runner.request import Request
@@ -60,7 +64,6 @@ class StepFailedError(RuntimeError):
         self.aborted_req_ids = aborted_req_ids
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # EngineConfig fields that LLM fills itself, not options a user passes.
 _SET_BY_LLM = {"model_dir", "compilation_config", "runner_config", "dtype"}
 
@@ -114,44 +117,48 @@ class GenerateStats:
 class LLM:
     def __init__(
         self,
-        model_dir: str,
+        model: str,
         compilation_config: CompilationConfig | dict | str | None = None,
         *,
-        dtype: str | torch.dtype = "float32",
+        dtype: str | torch.dtype = "auto",
         distributed_executor_backend: str | None = None,
         **options: Any,
     ):
-        """``options``: fields of ``RunnerConfig`` (max_num_seqs, block_size, ...) and of
-        ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name."""
-        if not os.path.isdir(model_dir):
-            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
-        if isinstance(dtype, str):
-            if dtype not in DTYPES:
-                raise ValueError(f"dtype {dtype!r} is not one of {sorted(DTYPES)}")
-            dtype = DTYPES[dtype]
+        """``model``: a model directory (config.json + safetensors) or a ``.gguf`` file.
+        ``dtype``: "auto" (models/dtype.py), "float32", "bfloat16", "float16" or a torch dtype.
+        ``options``: fields of ``RunnerConfig`` (max_num_seqs, kv_cache_bytes, ...) and of
+        ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name;
+        sizes left unset are chosen for the model and the machine (runner/kv_sizing.py)."""
+        model_dir = model_directory(model)
         self.compilation_config = parse_config(compilation_config)
         _check_option_names(options)
         runner_options = {
             k: options.pop(k) for k in list(options) if k in RunnerConfig.model_fields
         }
         self.runner_config = runner_config = RunnerConfig(**runner_options)
+        device = options.pop("device", None) or default_device()  # one device for every worker
+        hf_config = AutoConfig.from_pretrained(model_dir)
+        self.dtype = resolve_dtype(
+            dtype, hf_config, device, quantized=gguf_file_in(model_dir) is not None
+        )
         engine_config = EngineConfig(
             model_dir=model_dir,
             compilation_config=self.compilation_config,
             runner_config=runner_config,
-            dtype=dtype,
+            dtype=self.dtype,
+            device=device,
             **options,
         )
-        if engine_config.device is None:  # one explicit device for every worker
-            engine_config.device = default_device()
         # Chosen here, once (after the checks above), not by each worker: starting workers
-        # would count each other as busy cores.
+        # would count each other as busy cores; and sized once, so every rank agrees.
         runner_config.num_threads = _cpu_threads(
             engine_config.device, runner_config.num_threads, engine_config.tensor_parallel_size
         )
+        size_runner_config(
+            runner_config, hf_config, self.dtype, device, engine_config.tensor_parallel_size
+        )
         self.executor: Executor = make_executor(engine_config, distributed_executor_backend)
         self.tokenizer = _load_tokenizer(model_dir)
-        hf_config = AutoConfig.from_pretrained(model_dir)
         self.scheduler = Scheduler(
             num_blocks=self.executor.num_blocks,
             block_size=runner_config.block_size,
@@ -162,7 +169,7 @@ class LLM:
             enable_prefix_caching=runner_config.enable_prefix_caching,
         )
         self.core = EngineCore(self.scheduler, self.executor)
-        self.eos_token_id = _eos_id(hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
         logger.info(self.startup.summary())
@@ -285,7 +292,11 @@ class LLM:
                 request_id=r.req_id,
                 prompt_token_ids=r.prompt_token_ids,
                 token_ids=list(r.output_token_ids),
-                text=self.tokenizer.decode(r.output_token_ids) if self.tokenizer else None,
+                text=self.tokenizer.decode(
+                    r.output_token_ids, skip_special_tokens=r.sampling_params.skip_special_tokens
+                )
+                if self.tokenizer
+                else None,
                 finish_reason=r.finish_reason,
                 logprobs=logprobs[r.req_id] if r.sampling_params.logprobs is not None else None,
                 first_token_seconds=first_token.get(r.req_id),
@@ -295,12 +306,12 @@ class LLM:
         ]
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
-        """A request with a fresh id, this model's EOS, not yet checked or queued."""
+        """A request with a fresh id, this model's EOS ids, not yet checked or queued."""
         return Request(
             req_id=str(next(self._ids)),
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
-            eos_token_id=self.eos_token_id,
+            eos_token_ids=self.eos_token_ids,
         )
 
     def _abort_call(
@@ -364,10 +375,20 @@ def _load_tokenizer(model_dir: str):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def _eos_id(hf_config, tokenizer) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None) if hf_config is not None else None
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    if eos is None and tokenizer is not None:
-        eos = tokenizer.eos_token_id
-    return eos
+def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
+    """Every id that ends a turn: ``config.json``'s and ``generation_config.json``'s
+    ``eos_token_id`` (an int or a list: Llama 3 Instruct lists ``<|eot_id|>`` there), else
+    the tokenizer's EOS."""
+    from transformers import GenerationConfig
+
+    found: list[int] = []
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    with contextlib.suppress(OSError, ValueError):  # no generation_config.json
+        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    for eos in sources:
+        for i in eos if isinstance(eos, list | tuple) else [eos]:
+            if i is not None and int(i) not in found:
+                found.append(int(i))
+    if not found and tokenizer is not None and tokenizer.eos_token_id is not None:
+        found.append(tokenizer.eos_token_id)
+    return tuple(found)

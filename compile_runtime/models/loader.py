@@ -25,6 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors
 from compile_runtime.ops.cpu_linear import repack_linear_weights
 
 logger = logging.getLogger(__name__)
@@ -94,8 +95,15 @@ class CheckpointTensor:
         return self._slice[(slice(None),) * dim + (slice(start, start + length),)]
 
 
-def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Every tensor of the checkpoint, lazily: nothing is read until asked for."""
+def iterate_checkpoint(model_dir: str) -> Iterator[tuple[str, CheckpointTensor | GGUFTensor]]:
+    """Every tensor of the checkpoint, lazily: nothing is read until asked for.
+
+    A directory made for a GGUF file (``models/gguf.py``) reads the tensors of that file.
+    """
+    gguf_path = gguf_file_in(model_dir)
+    if gguf_path is not None:
+        yield from gguf_tensors(gguf_path)
+        return
     for path in safetensors_files(model_dir):
         try:
             handle = safe_open(path, framework="pt")

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from compile_runtime.config import CompilationConfig, set_compilation_config
 from compile_runtime.distributed.parallel_state import get_tp_world_size
+from compile_runtime.models.gguf import GGUFError, gguf_file_in
 from compile_runtime.models.llama import ARCHITECTURES, CausalLM
 from compile_runtime.models.loader import NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
@@ -110,6 +111,12 @@ def load_model(
             else:
                 model.load_weights(model_dir)
         if not native:
+            if gguf_file_in(model_dir) is not None:
+                raise GGUFError(
+                    f"{model_dir}: a GGUF file runs only on the native models (this one: "
+                    f"{hf_config.model_type!r}{', use_transformers=True' if use_transformers else ''}"
+                    "); convert the original checkpoint to safetensors for the adapter"
+                )
             model = TransformersCausalLM(model_dir, hf_config, dtype)
     if device.type == "cpu" and cpu_pack_weights:
         pack_linear_weights(model)

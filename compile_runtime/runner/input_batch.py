@@ -25,7 +25,7 @@ class RequestState:
     row: int
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
 
@@ -78,7 +78,7 @@ class InputBatch:
             row=row,
             prompt_token_ids=list(new.prompt_token_ids[: n - len(new.output_token_ids)]),
             sampling_params=new.sampling_params,
-            eos_token_id=new.eos_token_id,
+            eos_token_ids=new.eos_token_ids,
             output_token_ids=list(new.output_token_ids),
             generator=generator,
         )

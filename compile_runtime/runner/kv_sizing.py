@@ -4,14 +4,26 @@ Never more than the engine can ever use: ``max_num_seqs`` requests of
 ``max_model_len`` tokens each (plus the null block). A tiny model on a big GPU
 would otherwise take the whole device, leaving nothing for a second engine in
 the process, and its block pool would track millions of blocks nobody needs.
-Within that, the memory budget decides: on a CPU ``kv_cache_bytes``, on CUDA
-this engine's share of the device (``gpu_memory_utilization``) minus what its
-own weights and activations took, never more than is free.
+Within that, the memory budget decides: on a CPU ``kv_cache_bytes`` (by default a
+fraction of the RAM available at start-up), on CUDA this engine's share of the
+device (``gpu_memory_utilization``) minus what its own weights and activations
+took, never more than is free. ``max_model_len`` left unset is the model's
+positions, capped by what the CPU budget holds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from compile_runtime.config import ConfigError, RunnerConfig
+
+logger = logging.getLogger(__name__)
 
 
 def blocks_per_request(max_model_len: int, block_size: int) -> int:
@@ -41,3 +53,84 @@ def cuda_kv_budget(memory: CudaMemory, gpu_memory_utilization: float) -> int:
     """
     share = int(memory.total * gpu_memory_utilization) - memory.own_peak - memory.activations
     return max(0, min(share, memory.free - memory.activations))
+
+
+def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes one token's keys and values take on one rank, from the model's config."""
+    heads = getattr(hf_config, "num_attention_heads", 1)
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return hf_config.num_hidden_layers * 2 * -(-kv_heads // tp_size) * head_size * itemsize
+
+
+def available_memory() -> int:
+    """Bytes of RAM the kernel says a new allocation can take (MemAvailable), within a cgroup
+    limit where one is set."""
+    available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    available = int(line.split()[1]) * 1024
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = int(f.read())
+        if limit != "max":
+            available = min(available, int(limit) - used)
+    return max(available, 0)
+
+
+def size_runner_config(
+    config: RunnerConfig,
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    tp_size: int = 1,
+) -> RunnerConfig:
+    """Fill the sizes left to the engine (None), in place, and say why in the log.
+
+    Run once by the driver before any worker starts, so every rank gets the same sizes; a
+    runner built directly calls it again and finds nothing left to fill.
+    """
+    on_cpu = torch.device(device).type == "cpu"
+    if on_cpu and config.kv_cache_bytes is None:
+        available = available_memory()
+        config.kv_cache_bytes = max(int(available * config.kv_cache_memory_fraction) // tp_size, 1)
+        logger.info(
+            "KV cache budget %.2f GiB per rank: kv_cache_memory_fraction=%.2f of %.1f GiB "
+            "available RAM (set kv_cache_bytes / --kv-cache-bytes to choose)",
+            config.kv_cache_bytes / 2**30,
+            config.kv_cache_memory_fraction,
+            available / 2**30,
+        )
+    if config.max_model_len is not None:
+        return config
+    positions = getattr(hf_config, "max_position_embeddings", None) or 2048
+    if not on_cpu:  # the budget is known only after the weights load; the runner checks it
+        config.max_model_len = positions
+        logger.info("max_model_len=%d: the model's max_position_embeddings", positions)
+        return config
+    per_block = kv_bytes_per_token(hf_config, dtype, tp_size) * config.block_size
+    tokens = (config.kv_cache_bytes // per_block - 1) * config.block_size  # less the null block
+    if tokens >= positions:
+        config.max_model_len = positions
+        logger.info("max_model_len=%d: the model's max_position_embeddings", positions)
+    elif tokens >= config.block_size:
+        config.max_model_len = tokens
+        logger.warning(
+            "max_model_len=%d, below the model's %d positions: that is all a KV cache of "
+            "%.2f GiB holds; raise kv_cache_bytes (--kv-cache-bytes) for longer requests",
+            tokens,
+            positions,
+            config.kv_cache_bytes / 2**30,
+        )
+    else:
+        raise ConfigError(
+            f"a KV cache of {config.kv_cache_bytes} bytes holds no full block of "
+            f"{config.block_size} tokens of this model ({per_block} bytes a block); raise "
+            "kv_cache_bytes (--kv-cache-bytes) or kv_cache_memory_fraction"
+        )
+    return config

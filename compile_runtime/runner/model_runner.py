@@ -56,6 +56,7 @@ from compile_runtime.runner.kv_sizing import (
     blocks_per_request,
     cuda_kv_budget,
     most_blocks_needed,
+    size_runner_config,
 )
 from compile_runtime.runner.ngram_proposer import NgramProposer
 from compile_runtime.runner.rejection_sampler import rejection_sample
@@ -97,6 +98,8 @@ class StartupTimes:
     kv_cache: float = 0.0
     graphs: float = 0.0  # CUDA graph capture
     num_blocks: int = 0
+    kv_cache_tokens: int = 0  # tokens the cache holds (the null block left out)
+    kv_cache_bytes: int = 0
 
     @property
     def total(self) -> float:
@@ -110,7 +113,8 @@ class StartupTimes:
             model = f"trace {trace:.2f} s, compile {self.compile:.2f} s"
         return (
             f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, {model}, "
-            f"KV cache {self.kv_cache:.2f} s ({self.num_blocks} blocks), "
+            f"KV cache {self.kv_cache:.2f} s ({self.kv_cache_bytes / 2**30:.2f} GiB, "
+            f"{self.kv_cache_tokens} tokens in {self.num_blocks} blocks), "
             f"CUDA graphs {self.graphs:.2f} s"
         )
 
@@ -148,6 +152,8 @@ class ModelRunner:
             cpu_pack_weights=self.config.cpu_pack_weights,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
+        # The engine sized these already; a runner built directly fills them here.
+        size_runner_config(self.config, self.model.config, dtype, self.device, self.tp_size)
         self.layers = attention_layers(self.model)
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
@@ -239,12 +245,9 @@ class ModelRunner:
         )
         bind_kv_cache(self.layers, caches)
         times.kv_cache = time.perf_counter() - start
-        logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens)",
-            self.num_blocks,
-            self.config.block_size,
-            (self.num_blocks - 1) * self.config.block_size,
-        )
+        times.kv_cache_tokens = (self.num_blocks - 1) * self.config.block_size
+        unique = {id(t): t for t in caches.values()}.values()  # layers may share a cache
+        times.kv_cache_bytes = sum(t.numel() * t.element_size() for t in unique)
         if self.dispatcher.capture_descriptors():
             start = time.perf_counter()
             with torch.inference_mode():
@@ -289,7 +292,8 @@ class ModelRunner:
             raise ModelRunnerError(
                 f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} blocks of "
                 f"{c.block_size} tokens; one request of max_model_len={c.max_model_len} needs "
-                f"{needed}. Raise kv_cache_bytes / gpu_memory_utilization or lower max_model_len"
+                f"{needed}. Raise kv_cache_bytes (--kv-cache-bytes) / gpu_memory_utilization or lower "
+                f"max_model_len (--max-model-len)"
             )
         return int(num_blocks)
 
@@ -531,7 +535,7 @@ class ModelRunner:
                     params=s.sampling_params,
                     prompt_token_ids=s.prompt_token_ids,
                     output_token_ids=s.output_token_ids + (d[:j] if j else []),
-                    eos_token_id=s.eos_token_id,
+                    eos_token_ids=s.eos_token_ids,
                     generator=s.generator,
                 )
                 for s, d in zip(states, drafts or [[]] * len(states), strict=True)

@@ -29,7 +29,7 @@ class Request:
     req_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     # Set by the scheduler on add_request; lower = older = higher priority.
     arrival_index: int = -1
     output_token_ids: list[int] = field(default_factory=list)

@@ -25,7 +25,7 @@ class RequestSamplingState:
     prompt_token_ids: list[int]
     # Tokens generated so far (including those from before a preemption).
     output_token_ids: list[int]
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
     # Required when params.seed is set; must persist across steps so that
     # each step draws fresh numbers from the same stream.
     generator: torch.Generator | None = None
@@ -142,8 +142,8 @@ class SamplingMetadata:
                 continue
             forbidden = set(s.params.stop_token_ids)
             # With ignore_eos, EOS is an ordinary token, not a stop.
-            if s.eos_token_id is not None and not s.params.ignore_eos:
-                forbidden.add(s.eos_token_id)
+            if not s.params.ignore_eos:
+                forbidden.update(s.eos_token_ids)
             for tok in sorted(forbidden):
                 if 0 <= tok < vocab_size:  # an id outside the vocab can never be sampled
                     mask_rows.append(row)

@@ -27,6 +27,8 @@ class SamplingParams(BaseModel):
     # Logprobs of every prompt token after the first (and the top-k at each position): the
     # prompt is computed in full for them, never taken from the prefix cache.
     prompt_logprobs: int | None = Field(default=None, ge=0)
+    # Text without the tokenizer's special tokens (<|im_end|>, </s>); token ids keep them.
+    skip_special_tokens: bool = True
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> SamplingParams:

@@ -281,7 +281,7 @@ class Scheduler:
                     block_ids=list(req.block_ids),
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
-                    eos_token_id=req.eos_token_id,
+                    eos_token_ids=req.eos_token_ids,
                 )
             )
             out.num_scheduled_tokens[req.req_id] = num_new
@@ -429,7 +429,7 @@ class Scheduler:
         params = req.sampling_params
         num_out = len(req.output_token_ids)
         if num_out >= params.min_tokens:
-            if token == req.eos_token_id and not params.ignore_eos:
+            if token in req.eos_token_ids and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 return RequestStatus.FINISHED_STOPPED

@@ -24,7 +24,7 @@ class NewRequestData:
     num_computed_tokens: int = 0
     # Tokens generated before a preemption: penalties and min_tokens count them.
     output_token_ids: list[int] = field(default_factory=list)
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
 
 
 @dataclass

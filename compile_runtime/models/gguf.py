@@ -1,0 +1,241 @@
+"""GGUF files in: ``cr.LLM("model.gguf")`` runs a llama.cpp checkpoint.
+
+A GGUF file holds everything a model directory does. Its config, tokenizer
+and chat template are read once by transformers (which knows the GGUF keys)
+and written to a small directory in the cache (``config.json``,
+``generation_config.json``, tokenizer files, and a link to the file), so every
+part of the engine that reads a model directory reads this one; nothing of
+the weights is copied. The weights are read from the file itself with the
+``gguf`` package and dequantized tensor by tensor when the loader asks
+(``GGUFTensor.read``), to the model's dtype. The quantized blocks stay
+available there (``raw``) for a later quantized path.
+
+llama.cpp's converter renames every tensor and, for the Llama architecture,
+interleaves the rows of q and k for its rotary layout; ``gguf_tensors``
+undoes both, so the loader sees the Hugging Face names and layouts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from compile_runtime.cache.location import cache_root
+
+GGUF_LINK = "model.gguf"  # the file inside a materialized directory
+SOURCE_FILE = "gguf_source.json"
+# general.architecture -> whether q/k rows were permuted for llama.cpp's rotary layout.
+ARCHITECTURES = {"llama": True, "qwen2": False, "qwen3": False}
+
+_LAYER_PARTS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_TOP = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+_TOP_NAME = re.compile(r"(\w+)\.(weight|bias)$")
+# Token ids that end a turn, besides EOS (Llama 3's <|eot_id|>, <|eom_id|>).
+_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+              "tokenizer.ggml.eom_token_id")
+
+
+class GGUFError(ValueError):
+    """A GGUF file this engine cannot run (the message names the architecture or tensor)."""
+
+
+def is_gguf(path: str) -> bool:
+    return os.path.isfile(path) and path.endswith(".gguf")
+
+
+def hf_name(gguf_name: str) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+    m = _LAYER_NAME.match(gguf_name)
+    if m and m.group(2) in _LAYER_PARTS:
+        return f"model.layers.{m.group(1)}.{_LAYER_PARTS[m.group(2)]}.{m.group(3)}"
+    m = _TOP_NAME.match(gguf_name)
+    if m and m.group(1) in _TOP:
+        return f"{_TOP[m.group(1)]}.{m.group(2)}"
+    raise GGUFError(
+        f"GGUF tensor {gguf_name!r} has no counterpart in our models (known: token_embd, "
+        f"output_norm, output and blk.N.{{{', '.join(sorted(_LAYER_PARTS))}}}); "
+        "this file needs a feature we do not implement yet"
+    )
+
+
+def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row order: per head it stores pairs (i, i + d/2) side by side."""
+    rows = w.shape[0]
+    return (
+        w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _reader(path: str):
+    try:
+        import gguf
+    except ImportError as e:
+        raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
+    try:
+        return gguf.GGUFReader(path)
+    except Exception as e:  # a truncated or foreign file: numpy/struct errors of all kinds
+        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+def _field(reader, key: str) -> Any:
+    field = reader.fields.get(key)
+    return None if field is None else field.contents()
+
+
+def architecture(reader, path: str) -> str:
+    arch = _field(reader, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: GGUF architecture {arch!r} is not supported (supported: "
+            f"{sorted(ARCHITECTURES)}); convert the original checkpoint to safetensors and "
+            "run the model directory, which the transformers adapter can run"
+        )
+    return arch
+
+
+class GGUFTensor:
+    """One tensor of a GGUF file under its Hugging Face name, dequantized on ``read``."""
+
+    def __init__(self, name: str, tensor: Any, rotary_heads: int | None):
+        self.name = name
+        self.raw = tensor  # gguf's ReaderTensor: quantized blocks, type, shape
+        self.shape = tuple(int(d) for d in reversed(tensor.shape))
+        self._rotary_heads = rotary_heads
+
+    def read(self) -> torch.Tensor:
+        from gguf.quants import dequantize
+
+        w = dequantize(self.raw.data, self.raw.tensor_type).reshape(self.shape)
+        if self._rotary_heads:
+            w = unpermute_rotary(w, self._rotary_heads)
+        # A copy: float tensors come back as views of the read-only memory map.
+        return torch.from_numpy(np.array(w, dtype=np.float32))
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        """Rows ``[start, start + length)`` along ``dim`` (the whole tensor is dequantized)."""
+        return self.read().narrow(dim, start, length).contiguous()
+
+
+def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
+    """Every tensor of the file, renamed and laid out as the Hugging Face checkpoint has it."""
+    reader = _reader(path)
+    arch = architecture(reader, path)
+    heads = _field(reader, f"{arch}.attention.head_count")
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+    for tensor in reader.tensors:
+        name = hf_name(tensor.name)
+        rotary_heads = None
+        if ARCHITECTURES[arch] and name.endswith(("q_proj.weight", "q_proj.bias")):
+            rotary_heads = heads
+        elif ARCHITECTURES[arch] and name.endswith(("k_proj.weight", "k_proj.bias")):
+            rotary_heads = kv_heads
+        yield name, GGUFTensor(name, tensor, rotary_heads)
+
+
+def gguf_file_in(model_dir: str) -> str | None:
+    """The GGUF file of a directory made by ``gguf_model_dir``, or None."""
+    path = os.path.join(model_dir, GGUF_LINK)
+    return path if os.path.exists(path) else None
+
+
+def _source_key(path: str) -> str:
+    import transformers
+
+    st = os.stat(path)
+    what = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    return hashlib.blake2b(what.encode(), digest_size=12).hexdigest()
+
+
+def gguf_model_dir(path: str, cache_dir: str | None = None) -> str:
+    """A model directory for the GGUF file at ``path``: made once, then found again.
+
+    Keyed by the file's real path, size, modification time and the transformers
+    version that read it; written to a temporary directory and renamed, so a
+    crash never leaves a half-made directory under the key.
+    """
+    path = os.path.abspath(path)
+    root = os.path.join(cache_root(cache_dir), ".gguf")
+    target = os.path.join(root, f"{os.path.basename(path)[:-5]}-{_source_key(path)}")
+    if os.path.isdir(target):  # found: no need to parse the file (seconds for a big vocab)
+        return target
+    reader = _reader(path)
+    architecture(reader, path)
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
+    try:
+        _materialize(path, reader, tmp)
+        try:
+            os.rename(tmp, target)
+        except OSError:  # another process made it first: theirs is as good
+            if not os.path.isdir(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _materialize(path: str, reader, out: str) -> None:
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    folder, name = os.path.split(path)
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    config.save_pretrained(out)
+    stops = []
+    for key in _STOP_KEYS:
+        value = _field(reader, key)
+        if value is not None and int(value) not in stops:
+            stops.append(int(value))
+    generation = GenerationConfig.from_model_config(config)
+    if stops:
+        generation.eos_token_id = stops if len(stops) > 1 else stops[0]
+    generation.save_pretrained(out)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out)
+    os.symlink(os.path.realpath(path), os.path.join(out, GGUF_LINK))
+    with open(os.path.join(out, SOURCE_FILE), "w") as f:
+        json.dump({"path": os.path.realpath(path), "size": os.path.getsize(path)}, f)
+
+
+def model_directory(model: str) -> str:
+    """The model directory for what a user names: a directory as is, a .gguf file through
+    ``gguf_model_dir``."""
+    if os.path.isdir(model):
+        return model
+    if is_gguf(model):
+        return gguf_model_dir(model)
+    if os.path.isfile(model):
+        raise FileNotFoundError(
+            f"model {model!r} is a file but not a .gguf file; pass a model directory "
+            "(config.json + safetensors) or a GGUF file"
+        )
+    raise FileNotFoundError(
+        f"model {model!r} does not exist; pass a model directory (config.json + safetensors) "
+        "or a .gguf file"
+    )
