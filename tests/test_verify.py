@@ -289,7 +289,7 @@ def exit_status(argv: list[str]) -> int:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["check", "--model", "/nonexistent/model"], "not a model directory"),
+        (["check", "--model", "/nonexistent/model"], "does not exist; pass a model directory"),
         (["check", "--model", "M", "--tokens", "0"], "--tokens"),
         (["check"], "--model"),
     ],

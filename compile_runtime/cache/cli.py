@@ -178,10 +178,12 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     from compile_runtime.cache.key import compute_key
     from compile_runtime.compiler.graph_compiler import key_only_tracing
     from compile_runtime.config import parse_config
+    from compile_runtime.models.gguf import is_gguf, model_directory
     from compile_runtime.models.registry import load_model
 
-    if not os.path.isdir(model_dir):
-        raise manage.CacheError(f"--model {model_dir}: no such model directory")
+    if not (os.path.isdir(model_dir) or is_gguf(model_dir)):
+        raise manage.CacheError(f"--model {model_dir}: no such model directory or .gguf file")
+    model_dir = model_directory(model_dir)
     config = parse_config(config_json)
     model = load_model(model_dir, config)
     with key_only_tracing() as seen, torch.no_grad():

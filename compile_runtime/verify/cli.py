@@ -14,12 +14,13 @@ import torch
 
 from compile_runtime.argtypes import non_negative_float, positive_int
 from compile_runtime.config import parse_config
+from compile_runtime.models.gguf import model_directory
 from compile_runtime.verify.model_dir import check_model_dir
 
 
 def cmd_check(args: argparse.Namespace) -> int:
     report = check_model_dir(
-        args.model,
+        model_directory(args.model),
         parse_config(args.compilation_config),
         num_tokens=args.tokens,
         dtype=getattr(torch, args.dtype),
@@ -46,7 +47,9 @@ def register(sub: argparse._SubParsersAction) -> None:
             "one over the tolerance. Exit status 1 when a piece fails."
         ),
     )
-    check.add_argument("--model", required=True, help="model directory (config.json + safetensors)")
+    check.add_argument(
+        "--model", required=True, help="model directory (config.json + safetensors) or .gguf file"
+    )
     check.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
     check.add_argument("--tokens", type=positive_int, default=16, help="tokens in the batch")
     check.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
