@@ -29,8 +29,13 @@ llama.cpp (``--llamacpp-quants``). Workloads: ``batch1`` (one 32-token prompt,
 (64 requests, prompt lengths uniform 8..200, outputs 8..128, one generate call).
 Prompt ids are drawn from ``random.Random`` over ids 1000..40000, fresh for
 every round and the warm-up (the same on every side), so no side's prefix
-cache ever sees a prompt twice (the lengths stay the same). tokens/s = requested output tokens / wall time
-of the generate call (prefill included), timed inside each side's process.
+cache ever sees a prompt twice (the lengths stay the same). tokens/s =
+requested output tokens / wall time of the generate call (prefill included),
+timed inside each side's process.
+
+The HF directory every side loads (``benchmarks/.peers/smollm2-hf``) is the
+project's Q4_1 GGUF file dequantized to fp32 by transformers, so llama.cpp's
+q4_1 row runs exactly those weights, while its q8_0 row re-quantizes them.
 
 Each side is a long-lived worker process (its venv's Python running
 ``peers/worker.py``, JSON lines over stdin/stdout); one precision's workers
@@ -66,7 +71,8 @@ Left out: tokenization and detokenization (token-id prompts), sampling other
 than greedy, stopping at EOS, llama.cpp beyond batch 1 (and its server's
 batching), transformers' own continuous batching and torch.compile, vLLM's
 and our online servers, time to first token and latency percentiles, fp16,
-tensor parallelism, and GPUs.
+tensor parallelism, GPUs, and the tcmalloc preload vLLM's CPU docs recommend
+(not installed on this machine; vLLM warns about it at start-up).
 """
 
 from __future__ import annotations
@@ -107,6 +113,7 @@ LEFT_OUT = [
     "transformers' continuous batching and torch.compile",
     "online serving, time to first token, latency percentiles",
     "fp16, tensor parallelism, GPUs",
+    "vLLM's recommended tcmalloc preload (not installed here)",
 ]
 
 
@@ -381,7 +388,8 @@ def run_precision(
             log(f"{side}/{precision} FAILED TO START:\n{e}")
             return None
         workers[side] = worker
-        if res.startup_s is None:
+        first = res.startup_s is None  # later starts (--one-at-a-time) are not reported
+        if first:
             res.startup_s = round(worker.startup_s, 2)
             res.info = worker.info
             res.mem_available_after_start_gib = round(mem_available_gib(), 1)
@@ -395,9 +403,8 @@ def run_precision(
             begin = time.perf_counter()
             if not call(side, w, "warmup"):
                 return None
-            res.warmup_s[w.name] = round(
-                res.warmup_s.get(w.name, 0.0) + time.perf_counter() - begin, 2
-            )
+            if first:
+                res.warmup_s[w.name] = round(time.perf_counter() - begin, 2)
         return worker
 
     def call(side: str, w: Workload, label: str) -> bool:
@@ -435,33 +442,42 @@ def run_precision(
                 results[side].peak_rss_gib = max(rss, results[side].peak_rss_gib or 0.0)
             worker.close()
 
+    # Each round runs every side once per workload, the side order rotating each round:
+    # workload by workload, or (--one-at-a-time) side by side, each in a fresh process.
+    schedule = []
+    for r in range(args.repeats):
+        order = sides[r % len(sides) :] + sides[: r % len(sides)]
+        if args.one_at_a_time:
+            schedule += [(r, w, side) for side in order for w in workloads]
+        else:
+            schedule += [(r, w, side) for w in workloads for side in order]
     try:
         if not args.one_at_a_time:
             for side in sides:
                 start(side)
-        for r in range(args.repeats):
-            order = sides[r % len(sides) :] + sides[: r % len(sides)]
-            for w in workloads:
-                for side in order:
-                    if w not in side_workloads(side, workloads, args.skip):
-                        continue
-                    if results[side].error:
-                        continue
-                    if args.one_at_a_time:
-                        for other in list(workers):
-                            if other != side:
-                                stop(other)
-                    if side not in workers and start(side) is None:
-                        continue
-                    time.sleep(SETTLE_S)
-                    busy = others_busy_cores()
-                    waited = 0.0
-                    while busy and waited < args.quiet_wait:
-                        time.sleep(1.0)
-                        waited += 1.0
-                        busy = others_busy_cores()
-                    results[side].others_busy.setdefault(w.name, []).append(busy)
-                    call(side, w, f"timed-{r}")
+        for i, (r, w, side) in enumerate(schedule):
+            if results[side].error or w not in side_workloads(side, workloads, args.skip):
+                continue
+            if args.one_at_a_time:
+                for other in list(workers):
+                    if other != side:
+                        stop(other)
+            if side not in workers and start(side) is None:
+                continue
+            time.sleep(SETTLE_S)
+            busy = others_busy_cores()
+            waited = 0.0
+            while busy and waited < args.quiet_wait:
+                time.sleep(1.0)
+                waited += 1.0
+                busy = others_busy_cores()
+            results[side].others_busy.setdefault(w.name, []).append(busy)
+            call(side, w, f"timed-{r}")
+            last_of_side = (
+                i + 1 == len(schedule) or schedule[i + 1][0] != r or (schedule[i + 1][2] != side)
+            )
+            if args.one_at_a_time and last_of_side:
+                stop(side)
     finally:
         for side in list(workers):
             stop(side)
@@ -685,7 +701,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--workloads", nargs="+", default=[w.name for w in FULL], choices=[w.name for w in FULL]
     )
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, help="timed rounds, best kept (default 3; 1 quick)")
     parser.add_argument(
         "--skip",
         nargs="*",
@@ -718,12 +734,14 @@ def parse_args() -> argparse.Namespace:
         help="start each side afresh per round and stop it after",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke test: short outputs, 8 mixed requests, 1 repeat"
+        "--quick",
+        action="store_true",
+        help="smoke test: short outputs, 8 mixed requests, 1 repeat unless --repeats",
     )
     parser.add_argument("--out", default=os.path.join(HERE, "results", "vs_vllm.json"))
     args = parser.parse_args()
-    if args.quick:
-        args.repeats = 1
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
     args.skip = set(args.skip)
     for pair in args.skip:
         side, _, wl = pair.partition(":")
