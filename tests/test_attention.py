@@ -603,24 +603,32 @@ def test_attention_benchmark_smoke(tmp_path, monkeypatch):
     assert json.loads(out.read_text())["results"] == records
 
 
-def test_cpu_decode_kernel_equals_torch_ops(monkeypatch):
+# (heads, KV heads, head size): each copy of the kernel specialised for a head shape
+# (head size 64 with 1-4 query heads per KV head, 128 with 1, 2, 4), and the generic loop.
+KERNEL_SHAPES = [(8, 2, 64), (9, 3, 64), (4, 2, 64), (2, 2, 64), (4, 4, 128), (4, 2, 128),
+                 (8, 2, 128), (6, 3, 32), (10, 2, 64)]  # fmt: skip
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_size", KERNEL_SHAPES)
+def test_cpu_decode_kernel_equals_torch_ops(monkeypatch, heads, kv_heads, head_size):
     """The C decode kernel (cache writes + decode attention) and the torch-op path agree."""
     from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
 
     assert cpu_decode_kernel.load_decode_kernel() is not None  # CI machines have a compiler
     batch = make_paged_batch(
-        [1, 1, 6, 1], [70, 3, 10, 33], num_heads=8, num_kv_heads=2, head_size=64,
-        block_size=16, num_padding=2, seed=3,
+        [1, 1, 6, 1], [70, 3, 10, 33], num_heads=heads, num_kv_heads=kv_heads,
+        head_size=head_size, block_size=16, num_padding=2, seed=3,
     )  # fmt: skip
-    for window in (None, 7):
-        spec = AttentionSpec(8, 2, 64, 0.125, sliding_window=window)
+    scale = head_size**-0.5
+    for window in (None, 7):  # 7: the visible keys start inside a block
+        spec = AttentionSpec(heads, kv_heads, head_size, scale, sliding_window=window)
         with_kernel, cache_k = run_backend("cpu_batched", batch, spec)
         monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
         torch_ops, cache_t = run_backend("cpu_batched", batch, spec)
         monkeypatch.undo()
         assert (with_kernel - torch_ops).abs().max() < 1e-5
         assert torch.equal(cache_k[:, 1:], cache_t[:, 1:])
-        ref = dense_reference(batch, 0.125, window)
+        ref = dense_reference(batch, scale, window)
         assert (with_kernel[: batch.num_actual_tokens].double() - ref).abs().max() < 1e-5
 
 

@@ -125,8 +125,6 @@ def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path
         (out,) = llm.generate([5, 6], forced, progress=False)
         assert out.token_ids == [eos] and out.finish_reason == "stop"
         # min_tokens holds every EOS id back, not only the first.
-        held = cr.SamplingParams(
-            temperature=0, max_tokens=3, min_tokens=3, logit_bias={eos: 100.0}
-        )
+        held = cr.SamplingParams(temperature=0, max_tokens=3, min_tokens=3, logit_bias={eos: 100.0})
         (out,) = llm.generate([5, 6], held, progress=False)
         assert len(out.token_ids) == 3 and not {7, 9, 2} & set(out.token_ids)

