@@ -627,7 +627,7 @@ class RunnerConfig(CheckedConfig):
             raise ConfigError(
                 f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
                 f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "
-                f"max_model_len to at most {max_positions}"
+                f"max_model_len (--max-model-len) to at most {max_positions}, or leave it unset"
             )
 
 

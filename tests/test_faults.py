@@ -729,7 +729,7 @@ def test_max_model_len_past_the_models_positions_is_rejected_at_start_up(model_d
         LLM(model_dirs("llama"), EAGER, max_model_len=513)
     message = str(exc.value)
     assert "max_model_len=513" in message and "max_position_embeddings=512" in message
-    assert "set max_model_len to at most 512" in message and "\n" not in message
+    assert "set max_model_len (--max-model-len) to at most 512" in message and "\n" not in message
 
 
 def test_bad_llm_sizes_fail_before_start_up(model_dirs):
