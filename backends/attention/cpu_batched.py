@@ -42,6 +42,9 @@ from compile_runtime.attention.metadata import (
 )
 from compile_runtime.config import AttentionCGSupport
 
+# What the C decode kernel computes in (cpu_decode_kernel.py).
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
 
 @dataclass
 class GroupPlan:
@@ -191,7 +194,8 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
 
 
 def _kernel_takes(spec, query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:
-    """The C kernel reads raw float32 / int64 memory: only layouts it was written for."""
+    """The C kernel reads raw float32 or bfloat16 / int64 memory: only layouts it was
+    written for, every tensor in one of those dtypes."""
     slots = metadata.slot_mapping
     heads, kv_heads = (spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size)
     return (
@@ -200,7 +204,8 @@ def _kernel_takes(spec, query, key, value, output, kv_cache, metadata: Attention
         and key.shape[1:] == kv_heads
         and value.shape[1:] == kv_heads
         and kv_cache.shape[3:] == kv_heads
-        and all(t.dtype == torch.float32 for t in (query, key, value, output, kv_cache))
+        and query.dtype in KERNEL_DTYPES
+        and all(t.dtype == query.dtype for t in (key, value, output, kv_cache))
         and kv_cache.is_contiguous()
         and slots.dtype == torch.int64
         and slots.is_contiguous()
@@ -254,7 +259,10 @@ class CPUBatchedImpl(AttentionImpl):
             )
         slots = metadata.slot_mapping
         num_new = min(key.shape[0], slots.shape[0])
-        kernel.paged_decode_f32(
+        decode = (
+            kernel.paged_decode_f32 if query.dtype == torch.float32 else kernel.paged_decode_bf16
+        )
+        decode(
             query.data_ptr(), query.stride(0),
             key.data_ptr(), key.stride(0),
             value.data_ptr(), value.stride(0),

@@ -22,7 +22,9 @@ compiler and the CPU, so later starts only load it. Without a compiler, or if
 it fails, ``load_decode_kernel()`` returns None once with a warning and the
 backend computes the same thing with torch ops.
 
-float32 only; other dtypes take the torch path.
+float32 (``paged_decode_f32``) and bfloat16 (``paged_decode_bf16``: the cache, queries
+and outputs in bf16, scores, softmax and sums in float32) from one body; float16 takes
+the torch path.
 """
 
 from __future__ import annotations
@@ -47,16 +49,22 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-/* Write the step's keys/values at their slots (slot < 0: the null block, slot 0). */
-static void write_kv(const float* key, int64_t key_stride, const float* value,
-                     int64_t value_stride, const int64_t* slots, int64_t num_tokens,
-                     float* k_cache, float* v_cache, int64_t row) {
-    for (int64_t t = 0; t < num_tokens; t++) {
-        int64_t s = slots[t] < 0 ? 0 : slots[t];
-        memcpy(k_cache + s * row, key + t * key_stride, row * sizeof(float));
-        memcpy(v_cache + s * row, value + t * value_stride, row * sizeof(float));
-    }
+/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
+ * even, as torch does (NaN stays NaN). */
+static inline float bf16_to_f32(uint16_t x) {
+    uint32_t u = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
 }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float f32_to_f32(float x) { return x; }
 
 static void softmax_rows(float* s, int64_t G, int64_t n) {
     for (int64_t g = 0; g < G; g++) {
@@ -73,19 +81,20 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
 /* One (request, KV head) with GG query heads of size DD: compile-time constants in the
  * specialised copies, so the loops over them unroll into whole vector registers and the
  * value accumulators stay in registers. Keys are walked block by block (no division per
- * key). */
-#define ATTEND_ONE(GG, DD)                                                                   \
+ * key). qf: the G queries in float32; cache elements widen to float32 through WIDEN;
+ * scores and sums are float32 whatever the cache holds. */
+#define ATTEND_ONE(GG, DD, WIDEN)                                                            \
     {                                                                                        \
         int64_t t = 0;                                                                       \
         for (int64_t blk = lo / bs, j0 = lo % bs; t < n; blk++, j0 = 0) {                    \
-            const float* kb = k_cache + blocks[blk] * bs * row + kh * (DD);                  \
+            const T* kb = k_cache + blocks[blk] * bs * row + kh * (DD);                      \
             for (int64_t j = j0; j < bs && t < n; j++, t++) {                                \
-                const float* k = kb + j * row;                                               \
+                const T* k = kb + j * row;                                                   \
                 for (int64_t g = 0; g < (GG); g++) {                                         \
-                    const float* qg = q + g * (DD);                                          \
+                    const float* qg = qf + g * (DD);                                         \
                     float dot = 0.f;                                                         \
                     _Pragma("omp simd reduction(+:dot)")                                     \
-                    for (int64_t d = 0; d < (DD); d++) dot += qg[d] * k[d];                  \
+                    for (int64_t d = 0; d < (DD); d++) dot += qg[d] * WIDEN(k[d]);           \
                     const float x = dot * scale;                                             \
                     scores[g * n + t] = softcap > 0.f ? softcap * tanhf(x / softcap) : x;    \
                 }                                                                            \
@@ -96,17 +105,17 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
         memset(a, 0, sizeof(a));                                                             \
         t = 0;                                                                               \
         for (int64_t blk = lo / bs, j0 = lo % bs; t < n; blk++, j0 = 0) {                    \
-            const float* vb = v_cache + blocks[blk] * bs * row + kh * (DD);                  \
+            const T* vb = v_cache + blocks[blk] * bs * row + kh * (DD);                      \
             for (int64_t j = j0; j < bs && t < n; j++, t++) {                                \
-                const float* v = vb + j * row;                                               \
+                const T* v = vb + j * row;                                                   \
                 for (int64_t g = 0; g < (GG); g++) {                                         \
                     const float p = scores[g * n + t];                                       \
                     _Pragma("omp simd")                                                      \
-                    for (int64_t d = 0; d < (DD); d++) a[g * (DD) + d] += p * v[d];          \
+                    for (int64_t d = 0; d < (DD); d++) a[g * (DD) + d] += p * WIDEN(v[d]);   \
                 }                                                                            \
             }                                                                                \
         }                                                                                    \
-        memcpy(o, a, sizeof(a));                                                             \
+        for (int64_t i = 0; i < (GG) * (DD); i++) o[i] = NARROW(a[i]);                       \
     }
 
 /*
@@ -118,42 +127,63 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
  * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
  * runtime other than torch's would still use it. Requests differ in length, so
  * (request, KV head) pairs are handed out dynamically, four at a time.
+ * One body, two element types: paged_decode_f32 (float) and paged_decode_bf16 (uint16_t
+ * holding bfloat16).
  */
-void paged_decode_f32(const float* query, int64_t q_stride,
-                      const float* key, int64_t key_stride,
-                      const float* value, int64_t value_stride,
-                      const int64_t* slots, int64_t num_new_tokens,
-                      float* k_cache, float* v_cache,
-                      const int64_t* block_ids, int64_t nb,
-                      const int64_t* seq_lens, const int64_t* tokens,
-                      float* out, int64_t out_stride,
-                      int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,
-                      float scale, float softcap, int64_t window, int64_t num_threads) {
-    const int64_t G = H / KVH, row = KVH * D;
-    write_kv(key, key_stride, value, value_stride, slots, num_new_tokens, k_cache, v_cache,
-             row);
-    #pragma omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)
-    for (int64_t b = 0; b < B; b++) {
-        for (int64_t kh = 0; kh < KVH; kh++) {
-            const int64_t S = seq_lens[b];
-            const int64_t lo = (window > 0 && S > window) ? S - window : 0;
-            const int64_t n = S - lo;
-            float* scores = (float*)malloc(sizeof(float) * G * n);
-            const float* q = query + tokens[b] * q_stride + kh * G * D;
-            float* o = out + tokens[b] * out_stride + kh * G * D;
-            const int64_t* blocks = block_ids + b * nb;
-            if (D == 64 && G == 1) ATTEND_ONE(1, 64)
-            else if (D == 64 && G == 2) ATTEND_ONE(2, 64)
-            else if (D == 64 && G == 3) ATTEND_ONE(3, 64)
-            else if (D == 64 && G == 4) ATTEND_ONE(4, 64)
-            else if (D == 128 && G == 1) ATTEND_ONE(1, 128)
-            else if (D == 128 && G == 2) ATTEND_ONE(2, 128)
-            else if (D == 128 && G == 4) ATTEND_ONE(4, 128)
-            else ATTEND_ONE(G, D)
-            free(scores);
-        }
-    }
+#define DEFINE_PAGED_DECODE(NAME)                                                            \
+void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,               \
+          const T* value, int64_t value_stride, const int64_t* slots,                       \
+          int64_t num_new_tokens, T* k_cache, T* v_cache, const int64_t* block_ids,         \
+          int64_t nb, const int64_t* seq_lens, const int64_t* tokens, T* out,               \
+          int64_t out_stride, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,     \
+          float scale, float softcap, int64_t window, int64_t num_threads) {                \
+    const int64_t G = H / KVH, row = KVH * D;                                                \
+    for (int64_t t = 0; t < num_new_tokens; t++) { /* the step's keys/values; slot < 0:   \
+                                                      the null block */                     \
+        const int64_t s = slots[t] < 0 ? 0 : slots[t];                                       \
+        memcpy(k_cache + s * row, key + t * key_stride, row * sizeof(T));                    \
+        memcpy(v_cache + s * row, value + t * value_stride, row * sizeof(T));                \
+    }                                                                                        \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)")   \
+    for (int64_t b = 0; b < B; b++) {                                                        \
+        for (int64_t kh = 0; kh < KVH; kh++) {                                               \
+            const int64_t S = seq_lens[b];                                                   \
+            const int64_t lo = (window > 0 && S > window) ? S - window : 0;                  \
+            const int64_t n = S - lo;                                                        \
+            float* scores = (float*)malloc(sizeof(float) * (G * n + G * D));                 \
+            float* qf = scores + G * n;                                                      \
+            const T* q = query + tokens[b] * q_stride + kh * G * D;                          \
+            for (int64_t i = 0; i < G * D; i++) qf[i] = WIDEN_T(q[i]);                      \
+            T* o = out + tokens[b] * out_stride + kh * G * D;                                \
+            const int64_t* blocks = block_ids + b * nb;                                      \
+            if (D == 64 && G == 1) ATTEND_ONE(1, 64, WIDEN_T)                                \
+            else if (D == 64 && G == 2) ATTEND_ONE(2, 64, WIDEN_T)                           \
+            else if (D == 64 && G == 3) ATTEND_ONE(3, 64, WIDEN_T)                           \
+            else if (D == 64 && G == 4) ATTEND_ONE(4, 64, WIDEN_T)                           \
+            else if (D == 128 && G == 1) ATTEND_ONE(1, 128, WIDEN_T)                         \
+            else if (D == 128 && G == 2) ATTEND_ONE(2, 128, WIDEN_T)                         \
+            else if (D == 128 && G == 4) ATTEND_ONE(4, 128, WIDEN_T)                         \
+            else ATTEND_ONE(G, D, WIDEN_T)                                                   \
+            free(scores);                                                                    \
+        }                                                                                    \
+    }                                                                                        \
 }
+
+#define T float
+#define WIDEN_T f32_to_f32
+#define NARROW f32_to_f32
+DEFINE_PAGED_DECODE(paged_decode_f32)
+#undef T
+#undef WIDEN_T
+#undef NARROW
+
+#define T uint16_t
+#define WIDEN_T bf16_to_f32
+#define NARROW f32_to_bf16
+DEFINE_PAGED_DECODE(paged_decode_bf16)
+#undef T
+#undef WIDEN_T
+#undef NARROW
 """
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
@@ -206,9 +236,9 @@ def load_decode_kernel() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("CPU decode kernel not built (%s); using torch ops", detail.strip()[:500])
         return None
-    fn = lib.paged_decode_f32
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, i64]
-    fn.argtypes += [i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, i64]
-    fn.restype = None
+    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
+        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, i64]
+        fn.restype = None
     return lib
