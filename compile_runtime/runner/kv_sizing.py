@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from compile_runtime.config import ConfigError, RunnerConfig
+from compile_runtime.models.llama import head_size_of
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,8 @@ def cuda_kv_budget(memory: CudaMemory, gpu_memory_utilization: float) -> int:
 
 def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes one token's keys and values take on one rank, from the model's config."""
-    heads = getattr(hf_config, "num_attention_heads", 1)
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
+    head_size = head_size_of(hf_config)
     itemsize = torch.empty((), dtype=dtype).element_size()
     return hf_config.num_hidden_layers * 2 * -(-kv_heads // tp_size) * head_size * itemsize
 
