@@ -14,13 +14,10 @@ loops unroll into whole vector registers and the value accumulators stay in
 registers, 0.75x the time of the generic loop on SmolLM2's shape (64 requests
 of ~215 keys, 9/3 heads of 64), with bit-identical results.
 
-It is compiled with the machine's C compiler (``cc``, the one Inductor needs
-on a CPU anyway) for this CPU (``-march=native``), OpenMP over (request, KV
-head) on the same OpenMP runtime torch uses, and cached under the compile
-cache root in ``.cpu_kernels/`` by a digest of the source, the flags, the
-compiler and the CPU, so later starts only load it. Without a compiler, or if
-it fails, ``load_decode_kernel()`` returns None once with a warning and the
-backend computes the same thing with torch ops.
+It is built and cached by ``ops/c_library.py`` (OpenMP over (request, KV head)
+on torch's own OpenMP runtime). Without a compiler, or if the build fails,
+``load_decode_kernel()`` returns None once with a warning and the backend
+computes the same thing with torch ops.
 
 float32 (``paged_decode_f32``) and bfloat16 (``paged_decode_bf16``: the cache, queries
 and outputs in bf16, scores, softmax and sums in float32) from one body; float16 takes
@@ -31,17 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 
-from compile_runtime.cache.location import cache_root
-
-logger = logging.getLogger(__name__)
+from compile_runtime.ops.c_library import load_c_library
 
 SOURCE = r"""
 #include <math.h>
@@ -186,55 +174,12 @@ DEFINE_PAGED_DECODE(paged_decode_bf16)
 #undef NARROW
 """
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
-
-
-def _cpu_identity() -> str:
-    """What a binary built with -march=native depends on: the CPU model and its flags."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = [ln for ln in f if ln.startswith(("model name", "flags"))]
-        return "".join(sorted(set(lines)))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(compiler: str, path: str) -> None:
-    """Compile SOURCE into ``path`` atomically (a temp file in the same folder, then rename)."""
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src, lib = os.path.join(tmp, "kernel.c"), os.path.join(tmp, "kernel.so")
-        with open(src, "w") as f:
-            f.write(SOURCE)
-        subprocess.run(
-            [compiler, *FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, text=True
-        )
-        os.replace(lib, path)
-
 
 @functools.cache
 def load_decode_kernel() -> ctypes.CDLL | None:
     """The compiled kernel library, or None (with one warning) if it cannot be built here."""
-    compiler = _compiler()
-    if compiler is None:
-        logger.warning("no C compiler (cc/gcc, or $CC): CPU decode attention uses torch ops")
-        return None
-    digest = hashlib.sha256(
-        "\0".join([SOURCE, " ".join(FLAGS), compiler, _cpu_identity()]).encode()
-    ).hexdigest()[:24]
-    path = os.path.join(cache_root(), ".cpu_kernels", f"paged_decode_{digest}.so")
-    try:
-        if not os.path.exists(path):
-            _build(compiler, path)
-        lib = ctypes.CDLL(path)
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or str(e)
-        logger.warning("CPU decode kernel not built (%s); using torch ops", detail.strip()[:500])
+    lib = load_c_library("paged_decode", SOURCE, "CPU decode attention")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
