@@ -292,3 +292,16 @@ def test_low_precision_logits_accepted_and_left_untouched():
 def test_logits_shape_must_match_batch():
     with pytest.raises(ValueError, match="num_reqs=2"):
         Sampler()(torch.zeros(3, 4), metadata([SamplingParams()] * 2, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_tokens_equal_argmax_with_ties_nan_and_inf(dtype):
+    """greedy_tokens uses max(): its indices must be argmax's, first index on ties."""
+    from compile_runtime.runner.sampler import greedy_tokens
+
+    torch.manual_seed(0)
+    logits = torch.randint(0, 4, (6, 5000)).to(dtype)  # many ties in every row
+    logits[1, 77] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, :10] = float("inf")
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))

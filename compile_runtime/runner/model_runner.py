@@ -60,7 +60,7 @@ from compile_runtime.runner.kv_sizing import (
 )
 from compile_runtime.runner.ngram_proposer import NgramProposer
 from compile_runtime.runner.rejection_sampler import rejection_sample
-from compile_runtime.runner.sampler import Sampler, gather_logprobs
+from compile_runtime.runner.sampler import Sampler, gather_logprobs, greedy_tokens
 from compile_runtime.runner.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
@@ -525,7 +525,7 @@ class ModelRunner:
         plain = all(s.sampling_params.plain_argmax for s in states)
         if drafts is None and plain:
             # Nothing changes the logits: skip building the batch's sampling tensors.
-            return [[t] for t in logits.argmax(dim=-1).tolist()], [None] * len(states)
+            return [[t] for t in greedy_tokens(logits).tolist()], [None] * len(states)
         metadata = None
         if not plain:
             # One sampling row per logits row: a draft position sees the drafts before it as

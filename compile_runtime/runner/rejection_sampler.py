@@ -29,6 +29,7 @@ from compile_runtime.runner.sampler import (
     Logprobs,
     exponential_race,
     gather_logprobs,
+    greedy_tokens,
     process_logits,
     sampling_probs,
 )
@@ -53,7 +54,7 @@ def rejection_sample(
             f"got {logits.shape[0]}"
         )
     if metadata is None:
-        argmax = logits.argmax(dim=-1).tolist()
+        argmax = greedy_tokens(logits).tolist()
         return SpeculativeOutput(
             [
                 _accept_greedy(d, argmax, r)
