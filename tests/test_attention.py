@@ -675,3 +675,24 @@ def test_cpu_batched_torch_path_ignores_garbage_past_a_request(monkeypatch):
     ref = dense_reference(batch, 0.125)
     assert torch.isfinite(out).all()
     assert (out[: batch.num_actual_tokens].double() - ref).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 48])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_other_block_sizes(monkeypatch, block_size, dtype):
+    """Scores are taken 16 keys at a time: blocks of fewer, more, and not a multiple of 16."""
+    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+
+    assert cpu_decode_kernel.load_decode_kernel() is not None
+    batch = make_paged_batch(
+        [1, 1, 1], [70, 3, 111], num_heads=9, num_kv_heads=3, head_size=64,
+        block_size=block_size, seed=5, dtype=dtype,
+    )  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for window, cap in ((None, None), (21, None), (None, 5.0)):
+        spec = AttentionSpec(9, 3, 64, 0.125, sliding_window=window, logits_soft_cap=cap)
+        with_kernel, _ = run_backend("cpu_batched", batch, spec)
+        monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
+        torch_ops, _ = run_backend("cpu_batched", batch, spec)
+        monkeypatch.undo()
+        assert (with_kernel.float() - torch_ops.float()).abs().max() < tolerance
