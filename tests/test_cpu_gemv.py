@@ -1,4 +1,4 @@
-"""The one-row GEMV of cpu_gemv.py: F.linear's results, and only for what it was written for."""
+"""The few-row GEMV of cpu_gemv.py: F.linear's results, and only for what it was written for."""
 
 from __future__ import annotations
 
@@ -20,15 +20,17 @@ def _needs(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("out_features,in_features", [(7, 45), (13, 100), (960, 576), (5, 16)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_equals_f_linear(dtype, out_features, in_features, with_bias):
-    """Row counts not a multiple of four, inputs not a multiple of the vector width, a bias."""
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_gemv_equals_f_linear(dtype, out_features, in_features, with_bias, rows):
+    """Weight rows not a multiple of four, inputs not a multiple of the vector width, a
+    bias, several rows of x (one tile of four, a partial one)."""
     _needs(dtype)
     torch.manual_seed(0)
     weight = torch.randn(out_features, in_features, dtype=dtype)
     bias = torch.randn(out_features, dtype=dtype) if with_bias else None
-    x = torch.randn(1, in_features, dtype=dtype)
+    x = torch.randn(rows, in_features, dtype=dtype)
     out = cpu_gemv.gemv_linear(x, weight, bias)
-    assert out is not None and out.shape == (1, out_features) and out.dtype == dtype
+    assert out is not None and out.shape == (rows, out_features) and out.dtype == dtype
     ref = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     scale = ref.abs().max().item()
     assert (out.float() - ref).abs().max().item() <= TOLERANCE[dtype] * scale
@@ -38,8 +40,8 @@ def test_gemv_keeps_leading_dims_and_reads_strided_rows():
     _needs(torch.float32)
     torch.manual_seed(0)
     weight = torch.randn(24, 32)
-    wide = torch.randn(1, 64)
-    x = wide[:, :32]  # a row with stride 64: a view into a wider buffer
+    wide = torch.randn(5, 64)
+    x = wide[:, :32]  # rows 64 apart: a view into a wider buffer
     out = cpu_gemv.gemv_linear(x, weight, None)
     assert (out - F.linear(x, weight)).abs().max() < 1e-4
     out3 = cpu_gemv.gemv_linear(torch.randn(1, 1, 32), weight, None)
@@ -51,7 +53,7 @@ def test_gemv_declines_what_it_was_not_written_for():
     a float16 weight, an empty row."""
     _needs(torch.float32)
     weight = torch.randn(16, 32)
-    assert cpu_gemv.gemv_linear(torch.randn(2, 32), weight, None) is None
+    assert cpu_gemv.gemv_linear(torch.randn(cpu_gemv.MAX_ROWS[torch.float32] + 1, 32), weight, None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 32, dtype=torch.bfloat16), weight, None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 16), torch.randn(32, 16).t(), None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 32).half(), weight.half(), None) is None
@@ -59,7 +61,7 @@ def test_gemv_declines_what_it_was_not_written_for():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_linear_sends_one_row_to_the_gemv_and_more_rows_to_onednn(monkeypatch, dtype):
+def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeypatch, dtype):
     _needs(dtype)
     torch.manual_seed(0)
     weight = torch.randn(64, 32, dtype=dtype)
@@ -69,16 +71,18 @@ def test_cpu_linear_sends_one_row_to_the_gemv_and_more_rows_to_onednn(monkeypatc
 
     def counting(x, w, b):
         out = real(x, w, b)
-        calls.append(out is not None)
+        if out is not None:
+            calls.append(x.shape[0])
         return out
 
     monkeypatch.setattr(cpu_linear, "gemv_linear", counting)
-    for rows in (1, 2, 8):
+    most = cpu_gemv.MAX_ROWS[dtype]
+    for rows in (1, most, most + 1, 64):
         x = torch.randn(rows, 32, dtype=dtype)
         out = torch.ops.compile_runtime.cpu_linear(x, weight, None)
         ref = F.linear(x.float(), weight.float())
         assert (out.float() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()
-    assert calls == [True]  # only the one-row call reached the GEMV, and it took it
+    assert calls == [1, most]  # only calls of up to MAX_ROWS rows took the GEMV
 
 
 def test_without_a_compiler_there_is_no_gemv_and_linear_still_works(monkeypatch, tmp_path):

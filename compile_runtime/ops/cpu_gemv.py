@@ -1,17 +1,18 @@
-"""One-row linear layers on CPU: a GEMV that streams the weight at memory bandwidth.
+"""Linear layers of a few rows on CPU: a GEMV that streams the weight at memory bandwidth.
 
-A decode step at batch 1 multiplies one row by every weight of the model, so its
-time is the time to read the weights. oneDNN's packed GEMM reached ~16.5 GB/s at
-one row on 2 cores here (Xeon, AVX512-BF16), MKL's sgemv ~24 GB/s in float32 and
-``F.linear`` in bf16 ~11.6 GB/s. This kernel reads each weight row once, four rows
-at a time (four streams, four accumulators) with a software prefetch 8 KiB ahead,
-and multiplies with AVX512-BF16 dot products (bf16 in, float32 sums) or AVX-512
-FMAs (float32): all 30 layers plus the lm_head of SmolLM2-135M at one row took
-10.9 ms in bf16 (24.6 GB/s; oneDNN 16.4 ms) and 20.9 ms in float32 (25.7 GB/s;
-oneDNN 28.2, MKL 22.1). At two rows and more oneDNN's packed GEMM was faster
-again (the weight is reused across rows), so only one-row calls come here
-(``cpu_linear``). Built by ``ops/c_library.py``; a CPU without AVX-512 (or
-AVX512-BF16, for bf16) or without a C compiler keeps the oneDNN path.
+A decode step of a small batch multiplies a few rows by every weight of the model,
+so its time is the time to read the weights. oneDNN's packed GEMM reached ~16.5
+GB/s here at one to sixteen rows (2 cores, Xeon with AVX512-BF16), MKL's sgemv
+~24 GB/s in float32 at one row, and ``F.linear`` in bf16 ~11.6 GB/s. This kernel
+reads each weight row once, four rows at a time with a software prefetch 8 KiB
+ahead, multiplies them by up to four rows of x at a time with AVX512-BF16 dot
+products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
+16 partial sums of a tile together: all 30 layers plus the lm_head of SmolLM2-135M
+at one row took 10.4 ms in bf16 (oneDNN 14.5) and 19.9 ms in float32 (oneDNN
+25.0, MKL 20.8). With more rows the weight is reused and the GEMV becomes bound by
+its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. Built by
+``ops/c_library.py``; a CPU without AVX-512 (or AVX512-BF16, for bf16) or without a
+C compiler keeps the oneDNN path.
 """
 
 from __future__ import annotations
@@ -28,8 +29,7 @@ SOURCE = r"""
 #include <immintrin.h>
 #endif
 
-
-#define ROWS 4         /* weight rows per pass: four independent streams and accumulators */
+#define ROWS 4         /* weight rows per tile: four streams from memory */
 #define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
                           fell ~30% short of the memory bandwidth on short rows */
 
@@ -47,53 +47,96 @@ static inline float bf16_to_f32(uint16_t x) {
     return f;
 }
 
-#if defined(__AVX512BF16__)
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x [M, K] rows x_stride apart, w [N, K]
- * contiguous, y [M, N] rows y_stride apart. bias may be NULL. */
-void gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
-               uint16_t* y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
-               int64_t num_threads) {
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
+ * contiguous, y [M, N] rows y_stride apart, bias NULL or [N]. A tile is 4 weight rows by
+ * up to 4 rows of x: 16 vectors of partial sums, reduced together by sum16 (one pass of
+ * shuffles for 16 outputs). The first group of x rows reads the weight rows from memory
+ * (prefetching ahead); later groups find them in L1. */
+#if defined(__AVX512F__)
+/* Element i of the result: the sum of the 16 elements of v[i]. */
+static inline __m512 sum16(const __m512* v) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
+                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
+    const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
+    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+#endif
+
+#if defined(__AVX512BF16__)
+/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
+static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     const int64_t tail = K % 32;
-    const __mmask32 tail_mask = (__mmask32)((1ull << tail) - 1);
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
-        const uint16_t* w0 = w + n0 * K;
-        for (int64_t m = 0; m < M; m++) {
-            const uint16_t* xm = x + m * x_stride;
-            __m512 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-            int64_t k = 0;
-            if (rows == ROWS) {
-                for (; k + 32 <= K; k += 32) {
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + k);
-                    for (int r = 0; r < ROWS; r++) {
-                        const uint16_t* wr = w0 + r * K + k;
-                        _mm_prefetch((const char*)wr + PREFETCH, _MM_HINT_T0);
-                        acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(wr));
-                    }
-                }
-            } else {
-                for (; k + 32 <= K; k += 32) {
-                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(xm + k);
-                    for (int r = 0; r < rows; r++)
-                        acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w0 + r * K + k));
-                }
-            }
-            if (tail) {
-                const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, xm + k);
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_dpbf16_ps(
-                        acc[r], xv, (__m512bh)_mm512_maskz_loadu_epi16(tail_mask, w0 + r * K + k));
-            }
-            for (int r = 0; r < rows; r++) {
-                float s = _mm512_reduce_add_ps(acc[r]);
-                if (bias) s += bf16_to_f32(bias[n0 + r]);
-                y[m * y_stride + n0 + r] = f32_to_bf16(s);
-            }
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512i wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_si512(w0 + r * K + k);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
         }
     }
+    if (tail) {
+        const __mmask32 m = (__mmask32)((1ull << tail) - 1);
+        __m512i wv[ROWS];
+        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_epi16(m, w0 + r * K + k);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
+        }
+    }
+    _mm512_storeu_ps(res, sum16(acc));
+}
+
+void gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
+               uint16_t* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int64_t blocks = N / ROWS;  /* full blocks; the last N % ROWS rows below */
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * ROWS;
+        const uint16_t* w0 = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            float res[16];
+            const uint16_t* xm = x + m0 * x_stride;
+            const int pf = m0 == 0;
+            switch (mr) {
+                case 1: tile_bf16(xm, x_stride, w0, K, 1, pf, res); break;
+                case 2: tile_bf16(xm, x_stride, w0, K, 2, pf, res); break;
+                case 3: tile_bf16(xm, x_stride, w0, K, 3, pf, res); break;
+                default: tile_bf16(xm, x_stride, w0, K, 4, pf, res); break;
+            }
+            for (int64_t i = 0; i < mr; i++)
+                for (int r = 0; r < ROWS; r++) {
+                    float s = res[i * ROWS + r];
+                    if (bias) s += bf16_to_f32(bias[n0 + r]);
+                    y[(m0 + i) * y_stride + n0 + r] = f32_to_bf16(s);
+                }
+        }
+    }
+    for (int64_t n = blocks * ROWS; n < N; n++)  /* leftover rows: plain dot products */
+        for (int64_t m = 0; m < M; m++) {
+            float s = bias ? bf16_to_f32(bias[n]) : 0.f;
+            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(x[m * x_stride + k]) * bf16_to_f32(w[n * K + k]);
+            y[m * y_stride + n] = f32_to_bf16(s);
+        }
 }
 
 int gemv_has_bf16(void) { return 1; }
@@ -102,57 +145,82 @@ int gemv_has_bf16(void) { return 0; }
 #endif
 
 #if defined(__AVX512F__)
-void gemv_f32(const float* x, int64_t x_stride, const float* w, const float* bias, float* y,
-              int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    const int64_t blocks = (N + ROWS - 1) / ROWS;
+/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
+static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
     const int64_t tail = K % 16;
-    const __mmask16 tail_mask = (__mmask16)((1u << tail) - 1);
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * ROWS, rows = N - n0 < ROWS ? N - n0 : ROWS;
-        const float* w0 = w + n0 * K;
-        for (int64_t m = 0; m < M; m++) {
-            const float* xm = x + m * x_stride;
-            __m512 acc[ROWS];
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-            int64_t k = 0;
-            if (rows == ROWS) {
-                for (; k + 16 <= K; k += 16) {
-                    const __m512 xv = _mm512_loadu_ps(xm + k);
-                    for (int r = 0; r < ROWS; r++) {
-                        const float* wr = w0 + r * K + k;
-                        _mm_prefetch((const char*)wr + PREFETCH, _MM_HINT_T0);
-                        acc[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr), acc[r]);
-                    }
-                }
-            } else {
-                for (; k + 16 <= K; k += 16) {
-                    const __m512 xv = _mm512_loadu_ps(xm + k);
-                    for (int r = 0; r < rows; r++)
-                        acc[r] = _mm512_fmadd_ps(xv, _mm512_loadu_ps(w0 + r * K + k), acc[r]);
-                }
-            }
-            if (tail) {
-                const __m512 xv = _mm512_maskz_loadu_ps(tail_mask, xm + k);
-                for (int r = 0; r < rows; r++)
-                    acc[r] = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tail_mask, w0 + r * K + k), acc[r]);
-            }
-            for (int r = 0; r < rows; r++) {
-                float s = _mm512_reduce_add_ps(acc[r]);
-                if (bias) s += bias[n0 + r];
-                y[m * y_stride + n0 + r] = s;
-            }
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_ps(w0 + r * K + k);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
         }
     }
+    if (tail) {
+        const __mmask16 m = (__mmask16)((1u << tail) - 1);
+        __m512 wv[ROWS];
+        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_ps(m, w0 + r * K + k);
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
+        }
+    }
+    _mm512_storeu_ps(res, sum16(acc));
 }
+
+void gemv_f32(const float* x, int64_t x_stride, const float* w, const float* bias,
+               float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
+    const int64_t blocks = N / ROWS;  /* full blocks; the last N % ROWS rows below */
+    #pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t n0 = b * ROWS;
+        const float* w0 = w + n0 * K;
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
+            float res[16];
+            const float* xm = x + m0 * x_stride;
+            const int pf = m0 == 0;
+            switch (mr) {
+                case 1: tile_f32(xm, x_stride, w0, K, 1, pf, res); break;
+                case 2: tile_f32(xm, x_stride, w0, K, 2, pf, res); break;
+                case 3: tile_f32(xm, x_stride, w0, K, 3, pf, res); break;
+                default: tile_f32(xm, x_stride, w0, K, 4, pf, res); break;
+            }
+            for (int64_t i = 0; i < mr; i++)
+                for (int r = 0; r < ROWS; r++) {
+                    float s = res[i * ROWS + r];
+                    if (bias) s += bias[n0 + r];
+                    y[(m0 + i) * y_stride + n0 + r] = s;
+                }
+        }
+    }
+    for (int64_t n = blocks * ROWS; n < N; n++)  /* leftover rows: plain dot products */
+        for (int64_t m = 0; m < M; m++) {
+            float s = bias ? bias[n] : 0.f;
+            for (int64_t k = 0; k < K; k++) s += x[m * x_stride + k] * w[n * K + k];
+            y[m * y_stride + n] = s;
+        }
+}
+
 int gemv_has_f32(void) { return 1; }
 #else
 int gemv_has_f32(void) { return 0; }
 #endif
 """
 
-# Rows at which the GEMV is used: measured faster than oneDNN at one row only.
-MAX_ROWS = 1
+# Rows up to which the GEMV beats oneDNN's packed GEMM (all of SmolLM2's weights, 2 cores):
+# bf16 at 1/2/4 rows 10.4/11.6/13.7 ms against 14.5 (oneDNN is flat to 16 rows, then the
+# GEMV is compute-bound: 19.3 ms at 8); float32 at 1/2/4/8 rows 19.9/19.9/21.0/25.4 ms
+# against 25.0/26.4/27.6/32.5.
+MAX_ROWS = {torch.bfloat16: 4, torch.float32: 8}
+MOST_ROWS = max(MAX_ROWS.values())
 
 
 @functools.cache
@@ -182,13 +250,13 @@ def gemv_dtypes() -> frozenset[torch.dtype]:
 def gemv_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for ``x`` of ``MAX_ROWS`` rows or fewer, by the GEMV;
+    """``F.linear(x, weight, bias)`` for ``x`` of a few rows (``MAX_ROWS``), by the GEMV;
     None when the kernel does not take these tensors (the caller runs its own path)."""
     kernel = _library()[1].get(weight.dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (
         kernel is None
-        or not 0 < rows <= MAX_ROWS
+        or not 0 < rows <= MAX_ROWS[weight.dtype]
         or x.dtype != weight.dtype
         or x.stride(-1) != 1
         or not weight.is_contiguous()

@@ -14,7 +14,7 @@ lives in a side table keyed by the weight, not in the module: the graph sees
 the ordinary weight and ``torch.ops.compile_runtime.cpu_linear`` (opaque to
 Dynamo and Inductor) finds its packed twin at run time. A weight changed in
 place after packing (its version counter moved) or not packed at all runs
-through ``F.linear``. A single row (a decode step at batch 1) goes to the GEMV of
+through ``F.linear``. A few rows (decode steps of small batches) go to the GEMV of
 ``cpu_gemv.py`` instead, which reads the plain weight at memory bandwidth. Writes through ``param.data`` (as weight loaders do)
 move no version counter: the loader re-packs after loading
 (``repack_linear_weights``). The cost is memory: one more copy of every packed
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compile_runtime.ops.cpu_gemv import MAX_ROWS as MAX_GEMV_ROWS
+from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
 from compile_runtime.ops.cpu_gemv import gemv_linear
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if x.shape[0] <= MAX_GEMV_ROWS:  # one row: the GEMV reads the plain weight, faster
+    if x.shape[0] <= MAX_GEMV_ROWS:  # a few rows: the GEMV reads the plain weight, faster
         out = gemv_linear(x, weight, bias)
         if out is not None:
             return out
