@@ -255,7 +255,9 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
  * become softcap * tanh(score / softcap) (Gemma 2). window > 0: only the last
  * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
  * runtime other than torch's would still use it. Requests differ in length, so
- * (request, KV head) pairs are handed out dynamically, four at a time.
+ * (request, KV head) pairs are handed out dynamically, four at a time when there are
+ * plenty (one at a time otherwise: at batch 1 a chunk of four was all three of
+ * SmolLM2's pairs, on one thread).
  * One body, two element types: paged_decode_f32 (float) and paged_decode_bf16 (uint16_t
  * holding bfloat16).
  */
@@ -273,7 +275,8 @@ void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,   
         memcpy(k_cache + s * row, key + t * key_stride, row * sizeof(T));                    \
         memcpy(v_cache + s * row, value + t * value_stride, row * sizeof(T));                \
     }                                                                                        \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 4) num_threads(num_threads)")   \
+    const int chunk = B * KVH >= 8 * num_threads ? 4 : 1;                                  \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, chunk) num_threads(num_threads)") \
     for (int64_t b = 0; b < B; b++) {                                                        \
         for (int64_t kh = 0; kh < KVH; kh++) {                                               \
             const int64_t S = seq_lens[b];                                                   \
