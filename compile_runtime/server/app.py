@@ -75,19 +75,47 @@ class Choice:
     sent: int = 0  # characters of text already streamed
     sent_tokens: int = 0  # token ids already streamed
     finish_reason: str | None = None
+    # Incremental detokenizing: token_ids[prefix:read] were decoded last time, as context
+    # for the next ones (a token's text can depend on the token before it).
+    prefix: int = 0
+    read: int = 0
 
     def add(self, event: TokenEvent) -> None:
         self.token_ids.append(event.token)
         if event.logprobs is not None:
             self.logprobs.append(event.logprobs)
+        self._text_until_stop(final=False)
+
+    def flush(self) -> None:
+        """At the request's end: the text still held back (partial characters too)."""
+        self._text_until_stop(final=True)
+
+    def _text_until_stop(self, final: bool) -> None:
         if self.tokenizer is None:
             return
-        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        self.decode_new_tokens(final)
         for s in self.stop:
             at = self.text.find(s, max(0, self.sent - len(s)))
             if at != -1:
                 self.text = self.text[:at]
                 self.finish_reason = "stop"
+
+    def decode_new_tokens(self, final: bool = False) -> None:
+        """Append the text of the tokens since the last call: decode a short window (the
+        previous tokens for context, then the new ones), not the whole output each time.
+        Unless ``final``, a window ending in part of a character waits for more tokens."""
+        if self.tokenizer is None or self.read == len(self.token_ids):
+            return
+        decode = self.tokenizer.decode
+        before = decode(self.token_ids[self.prefix : self.read], skip_special_tokens=True)
+        window = decode(self.token_ids[self.prefix :], skip_special_tokens=True)
+        if window.endswith("\ufffd") and not final:
+            return
+        if window.startswith(before):
+            self.text += window[len(before) :]
+        else:  # the new tokens changed the context's text: decode everything, once
+            self.text = decode(self.token_ids, skip_special_tokens=True)
+        self.prefix, self.read = self.read, len(self.token_ids)
 
     def ready_text(self, final: bool) -> str:
         """Text not streamed yet, holding back what may still become a stop string or is a
@@ -198,9 +226,11 @@ class Server:
                     break
                 yield False
             elif isinstance(event, FinishEvent):
-                choice.finish_reason = {"length": "length", "abort": "abort"}.get(
-                    event.reason, "stop"
-                )
+                choice.flush()
+                if choice.finish_reason != "stop":
+                    choice.finish_reason = {"length": "length", "abort": "abort"}.get(
+                        event.reason, "stop"
+                    )
             elif isinstance(event, ErrorEvent):
                 raise APIError(500, event.message)
         yield True
