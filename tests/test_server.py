@@ -150,6 +150,14 @@ def test_streamed_text_equals_the_whole_response(server, offline):
         assert finish == "length"
 
 
+def test_vllm_bench_clients_payload_is_served(server, offline):
+    """What ``vllm bench serve`` sends: vLLM's extra sampling fields, at their neutral values,
+    are taken (a repetition penalty of 1.0 and min_tokens 0 change nothing)."""
+    extra = {"ignore_eos": True, "repetition_penalty": 1.0, "min_tokens": 0}
+    response = complete(server, PROMPTS[0], logprobs=None, extra_body=extra)
+    assert response.choices[0].model_extra["token_ids"] == offline[PROMPTS[0]].token_ids
+
+
 def test_stop_string_ends_the_text_before_it(server, offline):
     text = offline[PROMPTS[0]].text
     stop = text[3:6]

@@ -185,6 +185,8 @@ class Server:
                     seed=None if body.seed is None else body.seed + i,
                     frequency_penalty=body.frequency_penalty,
                     presence_penalty=body.presence_penalty,
+                    repetition_penalty=body.repetition_penalty,
+                    min_tokens=body.min_tokens,
                     logit_bias=bias,
                     logprobs=logprobs,
                     prompt_logprobs=prompt_logprobs,

@@ -31,6 +31,8 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # not OpenAI's, as vLLM takes it (benchmarks need fixed lengths)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # not OpenAI's, as vLLM takes it
+    min_tokens: int = Field(0, ge=0)  # not OpenAI's, as vLLM takes it
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
