@@ -64,7 +64,7 @@ def test_gemv_declines_what_it_was_not_written_for():
 def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeypatch, dtype):
     _needs(dtype)
     torch.manual_seed(0)
-    weight = torch.randn(64, 32, dtype=dtype)
+    weight = torch.randn(64, 48, dtype=dtype)  # 48 inputs: not the AMX kernel's (cpu_amx.py)
     cpu_linear.pack_weight(weight)
     calls = []
     real = cpu_linear.gemv_linear
@@ -78,7 +78,7 @@ def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeyp
     monkeypatch.setattr(cpu_linear, "gemv_linear", counting)
     most = cpu_gemv.MAX_ROWS[dtype]
     for rows in (1, most, most + 1, 64):
-        x = torch.randn(rows, 32, dtype=dtype)
+        x = torch.randn(rows, 48, dtype=dtype)
         out = torch.ops.compile_runtime.cpu_linear(x, weight, None)
         ref = F.linear(x.float(), weight.float())
         assert (out.float() - ref).abs().max() <= TOLERANCE[dtype] * ref.abs().max()

@@ -28,6 +28,7 @@ from compile_runtime.cache.location import cache_root
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
+FLAGS += ["-Werror=implicit-function-declaration"]  # a missing header must not mean a wrong call
 
 
 def cpu_identity() -> str:

@@ -14,11 +14,13 @@ lives in a side table keyed by the weight, not in the module: the graph sees
 the ordinary weight and ``torch.ops.compile_runtime.cpu_linear`` (opaque to
 Dynamo and Inductor) finds its packed twin at run time. A weight changed in
 place after packing (its version counter moved) or not packed at all runs
-through ``F.linear``. A few rows (decode steps of small batches) go to the GEMV of
-``cpu_gemv.py`` instead, which reads the plain weight at memory bandwidth. Writes through ``param.data`` (as weight loaders do)
+through ``F.linear``. In bf16 on a CPU with AMX, up to 64 rows (decode steps) go to the
+AMX kernel of ``cpu_amx.py``, from a third copy in its own tile layout; else a few
+rows go to the GEMV of ``cpu_gemv.py``, which reads the plain weight. Both stream
+the weight at the memory bandwidth, which oneDNN's GEMM does not at these sizes. Writes through ``param.data`` (as weight loaders do)
 move no version counter: the loader re-packs after loading
 (``repack_linear_weights``). The cost is memory: one more copy of every packed
-weight.
+weight (two in bf16 with AMX).
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compile_runtime.ops.cpu_amx import MAX_ROWS as MAX_AMX_ROWS
+from compile_runtime.ops.cpu_amx import amx_linear
+from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
 from compile_runtime.ops.cpu_gemv import gemv_linear
 
@@ -45,13 +50,14 @@ class _Packed:
     weight: weakref.ref  # the parameter the copy was made from
     version: int
     packed: torch.Tensor
+    amx: torch.Tensor | None = None  # the AMX kernel's copy (bf16 only, cpu_amx.py)
 
 
 _packed: dict[int, _Packed] = {}  # by the weight's data pointer
 
 
-def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy of ``weight``, or None unless it is certainly current: same
+def _lookup(weight: torch.Tensor) -> _Packed | None:
+    """The packed copies of ``weight``, or None unless they are certainly current: same
     storage, shape and strides as the packed parameter now has, same version."""
     entry = _packed.get(weight.data_ptr())
     if entry is None:
@@ -65,22 +71,27 @@ def _lookup(weight: torch.Tensor) -> torch.Tensor | None:
         or entry.version != weight._version
     ):
         return None
-    return entry.packed
+    return entry
 
 
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if x.shape[0] <= MAX_GEMV_ROWS:  # a few rows: the GEMV reads the plain weight, faster
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    entry = _lookup(weight)
+    if entry is not None and entry.amx is not None and rows <= MAX_AMX_ROWS:
+        out = amx_linear(x, entry.amx, bias)
+        if out is not None:
+            return out
+    if rows <= MAX_GEMV_ROWS:  # a few rows: the GEMV reads the plain weight, faster
         out = gemv_linear(x, weight, bias)
         if out is not None:
             return out
-    packed = _lookup(weight)
-    if packed is None:
+    if entry is None:
         return F.linear(x, weight, bias)
     two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
     flat = x if two_d else x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, bias, "none", [], "")
+    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), entry.packed, bias, "none", [], "")
     return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -112,8 +123,9 @@ def pack_weight(weight: torch.Tensor) -> None:
     key = weight.data_ptr()
     with torch.no_grad():
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        amx = pack_for_amx(weight.detach())
     _packed[key] = _Packed(
-        weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version, packed
+        weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version, packed, amx
     )
 
 
