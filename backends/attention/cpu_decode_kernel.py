@@ -37,26 +37,6 @@ import functools
 from compile_runtime.ops.c_library import load_c_library
 
 SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-
-/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
- * even, as torch does (NaN stays NaN). */
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 static inline float f32_to_f32(float x) { return x; }
 
 /* Scores of up to 16 consecutive keys of one block (key j at k + j * row) against one
@@ -86,27 +66,6 @@ static inline void qk_plain_bf16(const uint16_t* k, int64_t row, int c, const ui
 }
 
 #if defined(__AVX512F__)
-#include <immintrin.h>
-/* Element i of the result: the sum of the 16 elements of v[i]. */
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  /* 128-bit lanes 0-1: v[2i]'s halves summed; 2-3: v[2i+1]'s */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  /* lane l: four partial sums of v[4i + l] */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
-                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
-    const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
-    /* element 4l + j: the sum of v[4j + l]; put it back in key order */
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, z);
-}
-
 static inline void qk_f32(const float* k, int64_t row, int c, const float* q, int64_t D,
                           float scale, float* out) {
     if (D % 16 != 0 || D > 256) { qk_plain_f32(k, row, c, q, D, scale, out); return; }

@@ -23,12 +23,7 @@ import functools
 import torch
 
 SOURCE = r"""
-#define _GNU_SOURCE /* syscall() and aligned_alloc() under -std=c99 */
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -47,19 +42,6 @@ typedef struct {
 /* Linux hands out AMX's tile state only to a process that asks for it. */
 int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
 
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
 
 /* w [N, K] -> packed [N/16][K/32][16 pairs][16 n][2]: each (n block, k block) one 1 KiB
  * AMX B tile, the k blocks of an n block one after another. N % 16 == 0, K % 32 == 0. */
@@ -80,14 +62,30 @@ void amx_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
  * weight tile is read from memory once and used by every group at once. */
 #define PF(p) for (int l = 0; l < 16; l++) _mm_prefetch((const char*)(p) + PREFETCH + l * 64, _MM_HINT_T0)
 
-static void store_tile_rows(const float* c, int64_t ld, int64_t rows, int64_t cols,
-                            const uint16_t* bias, int64_t n0, uint16_t* y, int64_t y_stride) {
+/* 16 floats to bf16, rounding to nearest even exactly as f32_to_bf16 does (NaN stays NaN). */
+static inline __m256i narrow16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i rounded = _mm512_srli_epi32(
+        _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
+        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+    const __m512i quiet = _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, rounded, quiet));
+}
+
+/* rows x 32 float results (row stride ld) plus bias, to bf16 y[., n0 : n0 + 32]. */
+static void store_tile_rows(const float* c, int64_t ld, int64_t rows, const uint16_t* bias,
+                            int64_t n0, uint16_t* y, int64_t y_stride) {
+    __m512 b[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    if (bias)
+        for (int h = 0; h < 2; h++)
+            b[h] = _mm512_castsi512_ps(_mm512_slli_epi32(
+                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + n0 + 16 * h))), 16));
     for (int64_t i = 0; i < rows; i++)
-        for (int64_t n = 0; n < cols; n++) {
-            float s = c[i * ld + n];
-            if (bias) s += bf16_to_f32(bias[n0 + n]);
-            y[i * y_stride + n0 + n] = f32_to_bf16(s);
-        }
+        for (int h = 0; h < 2; h++)
+            _mm256_storeu_si256((__m256i*)(y + i * y_stride + n0 + 16 * h),
+                                narrow16(_mm512_add_ps(_mm512_loadu_ps(c + i * ld + 16 * h), b[h])));
 }
 
 void amx_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed,
@@ -130,7 +128,7 @@ void amx_linear_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* packed
                 _tile_stored(0, c, 128); _tile_stored(1, c + 16, 128);
                 _tile_stored(2, c + 16 * 32, 128); _tile_stored(3, c + 16 * 32 + 16, 128);
                 const int64_t rows = M - m0 * 16 < 32 ? M - m0 * 16 : 32;
-                store_tile_rows(c, 32, rows, 32, bias, n0, y + m0 * 16 * y_stride, y_stride);
+                store_tile_rows(c, 32, rows, bias, n0, y + m0 * 16 * y_stride, y_stride);
             }
         }
         _tile_release();

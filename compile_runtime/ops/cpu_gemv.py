@@ -23,57 +23,15 @@ import functools
 import torch
 
 SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 #define ROWS 4         /* weight rows per tile: four streams from memory */
 #define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
                           fell ~30% short of the memory bandwidth on short rows */
-
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x [M, K] rows x_stride apart, w [N, K]
  * contiguous, y [M, N] rows y_stride apart, bias NULL or [N]. A tile is 4 weight rows by
  * up to 4 rows of x: 16 vectors of partial sums, reduced together by sum16 (one pass of
  * shuffles for 16 outputs). The first group of x rows reads the weight rows from memory
  * (prefetching ahead); later groups find them in L1. */
-#if defined(__AVX512F__)
-/* Element i of the result: the sum of the 16 elements of v[i]. */
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
-                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
-    const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, z);
-}
-
-#endif
-
 #if defined(__AVX512BF16__)
 /* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
 static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
