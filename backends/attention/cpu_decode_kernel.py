@@ -37,8 +37,6 @@ import functools
 from compile_runtime.ops.c_library import load_c_library
 
 SOURCE = r"""
-static inline float f32_to_f32(float x) { return x; }
-
 /* Scores of up to 16 consecutive keys of one block (key j at k + j * row) against one
  * query of D elements: out[j] = scale * dot(q, key j) for j < c. The AVX-512 versions keep
  * one vector of partial sums per key and reduce the 16 vectors together (sum16): a

@@ -55,6 +55,7 @@ static inline uint16_t f32_to_bf16(float f) {
     u += 0x7fffu + ((u >> 16) & 1u);
     return (uint16_t)(u >> 16);
 }
+static inline float f32_to_f32(float x) { return x; }
 
 #if defined(__AVX512F__)
 /* Element i of the result: the sum of the 16 elements of v[i]. */

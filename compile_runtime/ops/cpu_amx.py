@@ -47,6 +47,7 @@ int amx_enable(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEAT
  * AMX B tile, the k blocks of an n block one after another. N % 16 == 0, K % 32 == 0. */
 void amx_pack_bf16(const uint16_t* w, uint16_t* packed, int64_t N, int64_t K) {
     const int64_t kb = K / 32;
+    #pragma omp parallel for schedule(static)  /* at load: every bf16 weight of the model */
     for (int64_t nb = 0; nb < N / 16; nb++)
         for (int64_t b = 0; b < kb; b++) {
             uint16_t* tile = packed + (nb * kb + b) * 512;

@@ -32,6 +32,45 @@ SOURCE = r"""
  * up to 4 rows of x: 16 vectors of partial sums, reduced together by sum16 (one pass of
  * shuffles for 16 outputs). The first group of x rows reads the weight rows from memory
  * (prefetching ahead); later groups find them in L1. */
+/* The driver, one body for both element types: blocks of ROWS weight rows shared out over
+ * the threads; in each, the rows of x four at a time (TILE with the count fixed, so its
+ * loops unroll), the first group prefetching the weight; leftover weight rows (N % ROWS)
+ * by plain dot products. */
+#define DEFINE_GEMV(NAME, T, TILE, WIDEN, NARROW)                                           \
+void NAME(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t y_stride, \
+          int64_t M, int64_t N, int64_t K, int64_t num_threads) {                           \
+    const int64_t blocks = N / ROWS;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                  \
+    for (int64_t b = 0; b < blocks; b++) {                                                  \
+        const int64_t n0 = b * ROWS;                                                        \
+        const T* w0 = w + n0 * K;                                                           \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                             \
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;                                     \
+            float res[16];                                                                  \
+            const T* xm = x + m0 * x_stride;                                                \
+            const int pf = m0 == 0;                                                         \
+            switch (mr) {                                                                   \
+                case 1: TILE(xm, x_stride, w0, K, 1, pf, res); break;                       \
+                case 2: TILE(xm, x_stride, w0, K, 2, pf, res); break;                       \
+                case 3: TILE(xm, x_stride, w0, K, 3, pf, res); break;                       \
+                default: TILE(xm, x_stride, w0, K, 4, pf, res); break;                      \
+            }                                                                               \
+            for (int64_t i = 0; i < mr; i++)                                                \
+                for (int r = 0; r < ROWS; r++) {                                            \
+                    float s = res[i * ROWS + r];                                            \
+                    if (bias) s += WIDEN(bias[n0 + r]);                                     \
+                    y[(m0 + i) * y_stride + n0 + r] = NARROW(s);                            \
+                }                                                                           \
+        }                                                                                   \
+    }                                                                                       \
+    for (int64_t n = blocks * ROWS; n < N; n++)                                             \
+        for (int64_t m = 0; m < M; m++) {                                                   \
+            float s = bias ? WIDEN(bias[n]) : 0.f;                                          \
+            for (int64_t k = 0; k < K; k++) s += WIDEN(x[m * x_stride + k]) * WIDEN(w[n * K + k]); \
+            y[m * y_stride + n] = NARROW(s);                                                \
+        }                                                                                   \
+}
+
 #if defined(__AVX512BF16__)
 /* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
 static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
@@ -63,40 +102,7 @@ static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t
     _mm512_storeu_ps(res, sum16(acc));
 }
 
-void gemv_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w, const uint16_t* bias,
-               uint16_t* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    const int64_t blocks = N / ROWS;  /* full blocks; the last N % ROWS rows below */
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * ROWS;
-        const uint16_t* w0 = w + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-            float res[16];
-            const uint16_t* xm = x + m0 * x_stride;
-            const int pf = m0 == 0;
-            switch (mr) {
-                case 1: tile_bf16(xm, x_stride, w0, K, 1, pf, res); break;
-                case 2: tile_bf16(xm, x_stride, w0, K, 2, pf, res); break;
-                case 3: tile_bf16(xm, x_stride, w0, K, 3, pf, res); break;
-                default: tile_bf16(xm, x_stride, w0, K, 4, pf, res); break;
-            }
-            for (int64_t i = 0; i < mr; i++)
-                for (int r = 0; r < ROWS; r++) {
-                    float s = res[i * ROWS + r];
-                    if (bias) s += bf16_to_f32(bias[n0 + r]);
-                    y[(m0 + i) * y_stride + n0 + r] = f32_to_bf16(s);
-                }
-        }
-    }
-    for (int64_t n = blocks * ROWS; n < N; n++)  /* leftover rows: plain dot products */
-        for (int64_t m = 0; m < M; m++) {
-            float s = bias ? bf16_to_f32(bias[n]) : 0.f;
-            for (int64_t k = 0; k < K; k++) s += bf16_to_f32(x[m * x_stride + k]) * bf16_to_f32(w[n * K + k]);
-            y[m * y_stride + n] = f32_to_bf16(s);
-        }
-}
-
+DEFINE_GEMV(gemv_bf16, uint16_t, tile_bf16, bf16_to_f32, f32_to_bf16)
 int gemv_has_bf16(void) { return 1; }
 #else
 int gemv_has_bf16(void) { return 0; }
@@ -133,40 +139,7 @@ static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, i
     _mm512_storeu_ps(res, sum16(acc));
 }
 
-void gemv_f32(const float* x, int64_t x_stride, const float* w, const float* bias,
-               float* y, int64_t y_stride, int64_t M, int64_t N, int64_t K, int64_t num_threads) {
-    const int64_t blocks = N / ROWS;  /* full blocks; the last N % ROWS rows below */
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int64_t n0 = b * ROWS;
-        const float* w0 = w + n0 * K;
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {
-            const int64_t mr = M - m0 < 4 ? M - m0 : 4;
-            float res[16];
-            const float* xm = x + m0 * x_stride;
-            const int pf = m0 == 0;
-            switch (mr) {
-                case 1: tile_f32(xm, x_stride, w0, K, 1, pf, res); break;
-                case 2: tile_f32(xm, x_stride, w0, K, 2, pf, res); break;
-                case 3: tile_f32(xm, x_stride, w0, K, 3, pf, res); break;
-                default: tile_f32(xm, x_stride, w0, K, 4, pf, res); break;
-            }
-            for (int64_t i = 0; i < mr; i++)
-                for (int r = 0; r < ROWS; r++) {
-                    float s = res[i * ROWS + r];
-                    if (bias) s += bias[n0 + r];
-                    y[(m0 + i) * y_stride + n0 + r] = s;
-                }
-        }
-    }
-    for (int64_t n = blocks * ROWS; n < N; n++)  /* leftover rows: plain dot products */
-        for (int64_t m = 0; m < M; m++) {
-            float s = bias ? bias[n] : 0.f;
-            for (int64_t k = 0; k < K; k++) s += x[m * x_stride + k] * w[n * K + k];
-            y[m * y_stride + n] = s;
-        }
-}
-
+DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
 int gemv_has_f32(void) { return 1; }
 #else
 int gemv_has_f32(void) { return 0; }
