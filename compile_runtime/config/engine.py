@@ -1,0 +1,212 @@
+"""The engine's configs: the runner's sizes, speculative decoding, and what a worker needs to
+build its runner. Every bad field becomes one ``ConfigError`` line that says the fix."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+import torch
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from compile_runtime.config.compilation import CompilationConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value no engine can run with: one line per bad field, each with the fix."""
+
+
+class CheckedConfig(BaseModel):
+    """Base of the engine's configs: unknown fields are rejected and every validation error
+    becomes one ``ConfigError`` line, ``Class.field=value: what is wrong (what the field is)``,
+    both at construction and on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            raise ConfigError(self._one_line_per_field(e)) from None
+
+    @classmethod
+    def _one_line_per_field(cls, error: ValidationError) -> str:
+        lines = []
+        for err in error.errors():
+            name = ".".join(str(part) for part in err["loc"])
+            field = cls.model_fields.get(str(err["loc"][0])) if err["loc"] else None
+            if err["type"] == "extra_forbidden":
+                lines.append(
+                    f"{cls.__name__}.{name}: unknown field; the fields are "
+                    f"{', '.join(cls.model_fields)}"
+                )
+                continue
+            message = err["msg"].removeprefix("Value error, ")
+            hint = f" ({field.description})" if field is not None and field.description else ""
+            lines.append(f"{cls.__name__}.{name}={err['input']!r}: {message}{hint}")
+        return "\n".join(lines)
+
+
+class SpeculativeConfig(CheckedConfig):
+    """Speculative decoding: draft tokens proposed without a second model, verified in one step.
+
+    ``method="ngram"`` (prompt lookup): the drafts are the tokens that followed
+    the most recent earlier occurrence of a request's last n tokens (n from
+    ``prompt_lookup_max`` down to ``prompt_lookup_min``) in its own prompt and output.
+    """
+
+    method: Literal["ngram"] = Field(
+        description="how drafts are proposed; 'ngram' is the one method so far"
+    )
+    num_speculative_tokens: int = Field(
+        ge=1, description="draft tokens proposed per request and step, e.g. 4"
+    )
+    prompt_lookup_min: int = Field(2, ge=1, description="shortest n-gram matched, e.g. 2")
+    prompt_lookup_max: int = Field(4, ge=1, description="longest n-gram matched, e.g. 4")
+
+    @model_validator(mode="after")
+    def _min_at_most_max(self) -> SpeculativeConfig:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} is larger than "
+                f"prompt_lookup_max={self.prompt_lookup_max}; make min <= max"
+            )
+        return self
+
+
+class RunnerConfig(CheckedConfig):
+    """Sizes of the runner's batch and KV cache (the same on every rank)."""
+
+    # Defaults chosen on the real model (SmolLM2-135M, 2 CPU cores, the mixed workload of
+    # benchmarks/vs_vllm.py): enough requests and tokens per step that a CPU's GEMMs run at
+    # full width; runner/kv_sizing.py fills what is None from the model and the machine.
+    max_num_seqs: int = Field(256, ge=1, description="requests in one step, e.g. 256")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 2048"
+    )
+    max_model_len: int | None = Field(
+        None,
+        ge=1,
+        description="prompt + output tokens of one request; None: the model's "
+        "max_position_embeddings, capped by what the KV cache holds",
+    )
+    block_size: int = Field(16, ge=1, description="tokens per KV cache block, e.g. 16")
+    # CPU: the KV cache's byte budget (None: kv_cache_memory_fraction of the available RAM).
+    # CUDA: gpu_memory_utilization decides.
+    kv_cache_bytes: int | None = Field(
+        None,
+        ge=1,
+        description="bytes of KV cache on a CPU, e.g. 2 GiB = 2147483648; None: "
+        "kv_cache_memory_fraction of the available RAM",
+    )
+    kv_cache_memory_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        le=0.9,
+        description="CPU: fraction of the available RAM the KV cache takes when "
+        "kv_cache_bytes is None, e.g. 0.2",
+    )
+    gpu_memory_utilization: float = Field(
+        0.85, gt=0.0, le=1.0, description="fraction of GPU memory this engine may use, e.g. 0.85"
+    )
+    num_gpu_blocks_override: int | None = Field(
+        None, ge=2, description="KV cache blocks, block 0 reserved; None sizes the cache"
+    )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="reuse the KV blocks of prompt prefixes computed before (automatic "
+        "prefix caching); False computes every prompt from scratch",
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='speculative decoding, e.g. {"method": "ngram", "num_speculative_tokens": 4}',
+    )
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _json_text(cls, v: Any) -> Any:
+        """A JSON string (the CLI's ``--speculative-config``) reads as the dict it holds."""
+        if isinstance(v, str):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON ({e}): {v!r}") from None
+        return v
+
+    # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs at every row
+    # count, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
+    cpu_pack_weights: bool = True
+    # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
+    num_threads: int | None = Field(
+        None, ge=1, description="CPU threads of each rank; None uses the free cores"
+    )
+
+    def check_model(self, hf_config: Any, model_dir: str) -> None:
+        """Reject a max_model_len past the positions the model has (its rotary table ends there)."""
+        max_positions = getattr(hf_config, "max_position_embeddings", None)
+        if (
+            max_positions is not None
+            and self.max_model_len is not None
+            and self.max_model_len > max_positions
+        ):
+            raise ConfigError(
+                f"RunnerConfig.max_model_len={self.max_model_len} is larger than the model's "
+                f"max_position_embeddings={max_positions} ({model_dir}/config.json); set "
+                f"max_model_len (--max-model-len) to at most {max_positions}, or leave it unset"
+            )
+
+
+ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class EngineConfig(CheckedConfig):
+    """Everything a worker needs to build its runner (plain data: it travels to workers)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    model_dir: str
+    compilation_config: CompilationConfig
+    runner_config: RunnerConfig
+    dtype: torch.dtype = torch.float32
+    device: str | None = None  # None: CUDA when available, else CPU
+    use_transformers: bool = False
+    tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
+    # Seconds a step may take before the driver gives up on a silent (hung) worker.
+    step_timeout_s: float = Field(600.0, gt=0, description="seconds one step may take")
+    # Seconds start-up (load, compile, capture) may take on any rank.
+    startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
+    # Environment variables set in every worker (Ray workers do not inherit the driver's).
+    worker_env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("dtype")
+    @classmethod
+    def _float_dtype(cls, v: torch.dtype) -> torch.dtype:
+        if v not in ENGINE_DTYPES:
+            raise ValueError(f"dtype {v} is not one of {', '.join(map(str, ENGINE_DTYPES))}")
+        return v
+
+    @field_validator("device")
+    @classmethod
+    def _known_device(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        try:
+            kind = torch.device(v).type
+        except RuntimeError:  # not a device string at all
+            kind = None
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"unknown device {v!r}; use 'cpu', 'cuda' or 'cuda:N', or None")
+        return v
