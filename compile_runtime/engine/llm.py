@@ -45,12 +45,13 @@ from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.kv_sizing import size_runner_config
-from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
+from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
 from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
+from compile_runtime.runner.startup import StartupTimes
 
 logger = logging.getLogger(__name__)
 

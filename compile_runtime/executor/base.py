@@ -20,7 +20,8 @@ from compile_runtime.config import EngineConfig
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from compile_runtime.runner.model_runner import ModelRunner, StartupTimes
+    from compile_runtime.runner.model_runner import ModelRunner
+    from compile_runtime.runner.startup import StartupTimes
 
 
 class ExecutorError(RuntimeError):

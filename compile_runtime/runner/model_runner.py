@@ -1,41 +1,30 @@
 """The model runner: one step of the scheduler's plan through the compiled model.
 
-``execute_model`` applies the scheduler's differences to the persistent
-batch, flattens the step's tokens into persistent buffers, asks the
-dispatcher for the runtime mode and padded size, builds attention metadata
-once and runs the forward inside a forward context, then computes logits in
-one call: the last position of each request whose prompt is complete, every
-draft position of a request verifying drafts (speculative decoding), and the
-prompt positions of requests that asked for prompt logprobs. ``sample_tokens``
-then samples (or verifies drafts with the rejection sampler) and, with
-speculative decoding, proposes the next drafts. The state between the two
-calls lives in one ``ExecuteModelState``.
+``execute_model`` applies the scheduler's differences to the persistent batch,
+lays the step's tokens out flat in persistent buffers (step_inputs.py), asks the
+dispatcher for the runtime mode and padded size, builds attention metadata once
+(attention_groups.py) and runs the forward inside a forward context, then
+computes the logits the step needs in one call. ``sample_tokens`` then samples
+(or verifies drafts) and, with speculative decoding, proposes the next drafts
+(sampling_step.py). The state between the two calls lives in one
+``ExecuteModelState``. Start-up (weights, first forward, KV cache, graphs) is
+``__init__`` then ``initialize`` (startup.py).
 
-Under tensor parallelism every rank runs its own runner on the same
-scheduler output (so the persistent batches stay identical); the logits are
-gathered on rank 0, which samples and broadcasts the tokens each request got
-so that every rank appends the same ones.
+Under tensor parallelism every rank runs its own runner on the same scheduler
+output (so the persistent batches stay identical); the logits are gathered on
+rank 0, which samples and broadcasts the tokens each request got so that every
+rank appends the same ones.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
-from compile_runtime.attention.kv_cache import (
-    allocate_kv_cache,
-    bind_kv_cache,
-    compute_slot_mapping,
-    kv_cache_bytes_per_block,
-)
 from compile_runtime.attention.layer import attention_layers
-from compile_runtime.attention.metadata import AttentionMetadataBuilder
 from compile_runtime.backends.attention.registry import min_cg_support
 from compile_runtime.compiler.decorator import attention_split, backend_seconds
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
@@ -44,30 +33,32 @@ from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capt
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, wrap_full_model
 from compile_runtime.device import resolve_device
-from compile_runtime.distributed import broadcast_from_first_rank, get_tp_rank, get_tp_world_size
+from compile_runtime.distributed import get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
+from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
 from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.input_batch import InputBatch
-from compile_runtime.runner.kv_sizing import (
-    CudaMemory,
-    blocks_per_request,
-    cuda_kv_budget,
-    most_blocks_needed,
-    size_runner_config,
-)
+from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.ngram_proposer import NgramProposer
-from compile_runtime.runner.rejection_sampler import rejection_sample
-from compile_runtime.runner.sampler import Sampler, gather_logprobs, greedy_tokens
-from compile_runtime.runner.sampling_metadata import (
-    RequestSamplingState,
-    SamplingMetadata,
-)
+from compile_runtime.runner.sampler import Sampler
+from compile_runtime.runner.sampling_step import broadcast_tokens, prompt_logprobs, sample
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
-
-logger = logging.getLogger(__name__)
+from compile_runtime.runner.startup import (
+    ModelRunnerError,
+    StartupTimes,
+    allocated_bytes,
+    bind_new_kv_cache,
+    num_kv_blocks,
+)
+from compile_runtime.runner.step_inputs import (
+    capture_query_lens,
+    flatten_step,
+    logits_rows,
+    query_start_loc,
+)
 
 
 @dataclass
@@ -81,42 +72,6 @@ class ExecuteModelState:
     runtime_mode: str | None = None
     drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
-
-
-class ModelRunnerError(RuntimeError):
-    pass
-
-
-@dataclass
-class StartupTimes:
-    """Where a runner's start-up went (seconds), for the one start-up line users see."""
-
-    weights: float = 0.0  # build the model and load its weights
-    first_forward: float = 0.0  # trace + compile, or load the saved program, + one forward
-    compile: float = 0.0  # of which our backend: passes, split, compile or load the pieces
-    saved_program: bool = False  # the first forward ran a saved program: no trace at all
-    kv_cache: float = 0.0
-    graphs: float = 0.0  # CUDA graph capture
-    num_blocks: int = 0
-    kv_cache_tokens: int = 0  # tokens the cache holds (the null block left out)
-    kv_cache_bytes: int = 0
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.first_forward + self.kv_cache + self.graphs
-
-    def summary(self) -> str:
-        if self.saved_program:
-            model = f"saved program {self.first_forward:.2f} s (no trace, no compile)"
-        else:
-            trace = max(self.first_forward - self.compile, 0.0)
-            model = f"trace {trace:.2f} s, compile {self.compile:.2f} s"
-        return (
-            f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, {model}, "
-            f"KV cache {self.kv_cache:.2f} s ({self.kv_cache_bytes / 2**30:.2f} GiB, "
-            f"{self.kv_cache_tokens} tokens in {self.num_blocks} blocks), "
-            f"CUDA graphs {self.graphs:.2f} s"
-        )
 
 
 class ModelRunner:
@@ -141,7 +96,7 @@ class ModelRunner:
             torch.set_num_threads(self.num_threads)
         if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
             torch.cuda.reset_peak_memory_stats(self.device)
-        self._allocated_at_start = self._allocated()
+        self._allocated_at_start = allocated_bytes(self.device)
         start = time.perf_counter()
         self.model: CausalLanguageModel = load_model(
             model_dir,
@@ -183,20 +138,9 @@ class ModelRunner:
         self.slot_mapping = torch.full(
             (self.max_num_tokens,), -1, dtype=torch.long, device=self.device
         )
-        # One builder per group of layers that can share a step's metadata: per backend, and
-        # per what the backend plans into it (FlashInfer: window and soft cap, so Gemma 2's
-        # alternating layers get two plans).
-        groups: dict[Hashable, tuple[AttentionMetadataBuilder, list[str]]] = {}
-        for layer in self.layers:
-            backend = layer.attn_backend
-            key = (backend, backend.metadata_key(layer.spec))
-            if key not in groups:
-                builder = backend.make_builder(
-                    layer.spec, c.block_size, c.max_num_seqs, self.device
-                )
-                groups[key] = (builder, [])
-            groups[key][1].append(layer.layer_name)
-        self.metadata_groups = list(groups.values())
+        self.metadata_groups = metadata_groups(
+            self.layers, c.block_size, c.max_num_seqs, self.device
+        )
         self.dispatcher = CudagraphDispatcher(
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
@@ -235,19 +179,15 @@ class ModelRunner:
                 self.resolved.cudagraph_mode, self.uniform_decode_query_len
             )
         start = time.perf_counter()
-        self.num_blocks = times.num_blocks = self._num_kv_blocks()
-        caches = allocate_kv_cache(
-            self.layers,
-            self.num_blocks,
-            self.config.block_size,
-            dtype=self.dtype,
-            device=self.device,
+        c = self.config
+        self.num_blocks = times.num_blocks = num_kv_blocks(
+            c, self.layers, self.dtype, self.device, self._allocated_at_start
         )
-        bind_kv_cache(self.layers, caches)
+        times.kv_cache_bytes = bind_new_kv_cache(
+            self.layers, self.num_blocks, c.block_size, self.dtype, self.device
+        )
         times.kv_cache = time.perf_counter() - start
-        times.kv_cache_tokens = (self.num_blocks - 1) * self.config.block_size
-        unique = {id(t): t for t in caches.values()}.values()  # layers may share a cache
-        times.kv_cache_bytes = sum(t.numel() * t.element_size() for t in unique)
+        times.kv_cache_tokens = (self.num_blocks - 1) * c.block_size
         if self.dispatcher.capture_descriptors():
             start = time.perf_counter()
             with torch.inference_mode():
@@ -261,72 +201,30 @@ class ModelRunner:
         with set_forward_context(None, num_tokens=num_tokens):
             return self.forward_model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 
-    def _allocated(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-
-    def _num_kv_blocks(self) -> int:
-        """Blocks for the budget (after the profiling forward), capped at what can ever be used."""
-        c = self.config
-        if c.num_gpu_blocks_override is not None:
-            return c.num_gpu_blocks_override
-        per_block = kv_cache_bytes_per_block(self.layers, c.block_size, self.dtype)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()  # the profile's activations count as free
-            free, total = torch.cuda.mem_get_info(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device)
-            memory = CudaMemory(
-                total=total,
-                free=free,
-                own_peak=peak - self._allocated_at_start,
-                activations=peak - self._allocated(),
-            )
-            budget = cuda_kv_budget(memory, c.gpu_memory_utilization)
-        else:
-            budget = c.kv_cache_bytes
-        num_blocks = min(
-            budget // per_block, most_blocks_needed(c.max_num_seqs, c.max_model_len, c.block_size)
-        )
-        needed = blocks_per_request(c.max_model_len, c.block_size) + 1
-        if num_blocks < needed:
-            raise ModelRunnerError(
-                f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} blocks of "
-                f"{c.block_size} tokens; one request of max_model_len={c.max_model_len} needs "
-                f"{needed}. Raise kv_cache_bytes (--kv-cache-bytes) / gpu_memory_utilization or lower "
-                f"max_model_len (--max-model-len)"
-            )
-        return int(num_blocks)
-
     def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
         """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
 
         Under PIECEWISE attention runs between the graphs, so the capture runs
         it without metadata (dense, no cache), like the profiling forward. A
-        FULL capture gets a batch of ``num_reqs`` requests (enough of them that
-        none is longer than ``max_model_len``) whose block tables point at block 1
-        and whose writes go to the null slot.
+        FULL capture gets a batch whose block tables point at block 1 and whose
+        writes go to the null slot.
         """
         n = descriptor.num_tokens
         args = (self.input_ids[:n], self.positions[:n])
         if mode != CUDAGraphMode.FULL:
             return CaptureInputs(args=args)
         c = self.config
-        num_reqs = max(descriptor.num_reqs or 1, -(-n // c.max_model_len))
-        num_reqs = min(num_reqs, c.max_num_seqs, n)
-        query_lens = np.full(num_reqs, n // num_reqs, dtype=np.int32)
-        query_lens[-1] += n - int(query_lens.sum())
-        qsl = torch.zeros(num_reqs + 1, dtype=torch.int32)
-        qsl[1:] = torch.from_numpy(np.cumsum(query_lens))
-        seq_lens = torch.from_numpy(query_lens.copy())
+        query_lens = capture_query_lens(n, descriptor.num_reqs, c.max_model_len, c.max_num_seqs)
         block_table = torch.ones(
-            (num_reqs, self.input_batch.block_table.max_blocks_per_req),
+            (len(query_lens), self.input_batch.block_table.max_blocks_per_req),
             dtype=torch.int32,
             device=self.device,
         )
         self.slot_mapping[:n].fill_(-1)
-        metadata = self._build_metadata(
-            qsl,
-            seq_lens,
+        metadata = build_metadata(
+            self.metadata_groups,
+            query_start_loc(np.cumsum(query_lens)),
+            torch.from_numpy(query_lens.copy()),
             block_table,
             self.slot_mapping[:n],
             n,
@@ -334,16 +232,6 @@ class ModelRunner:
             for_cudagraph=True,
         )
         return CaptureInputs(args=args, attn_metadata=metadata)
-
-    def _build_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        """The step's attention metadata: one object, or one per layer when groups differ."""
-        if len(self.metadata_groups) == 1:
-            return self.metadata_groups[0][0].build(*args, **kwargs)
-        by_layer = {}
-        for builder, names in self.metadata_groups:
-            metadata = builder.build(*args, **kwargs)
-            by_layer.update(dict.fromkeys(names, metadata))
-        return by_layer
 
     def release(self) -> None:
         """Give back the KV cache and the FULL graphs (``LLM.shutdown``); the runner cannot step after."""
@@ -371,6 +259,11 @@ class ModelRunner:
             row = batch.requests[req_id].row
             batch.block_table.append_row(row, blocks)
             batch.num_computed_tokens[row] = computed
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # After the request's last token, not counted in its tokens until accepted.
+            row = batch.requests[req_id].row
+            end = int(batch.num_tokens[row])
+            batch.token_ids[row, end : end + len(drafts)] = drafts
 
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -384,55 +277,35 @@ class ModelRunner:
         if not req_ids:
             self.execute_state = ExecuteModelState([], torch.empty(0), [])
             return
-        batch = self.input_batch
-        rows = batch.rows(req_ids)
-        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
-            # After the request's last token, not counted in its tokens until accepted.
-            row = batch.requests[req_id].row
-            end = int(batch.num_tokens[row])
-            batch.token_ids[row, end : end + len(drafts)] = drafts
-        num_sched = np.fromiter(
-            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        total = int(num_sched.sum())
+        total = so.total_num_scheduled_tokens
         if total > self.max_num_tokens:
             raise ModelRunnerError(
                 f"{total} tokens scheduled in one step; max_num_batched_tokens is "
                 f"{self.max_num_tokens}"
             )
-        cu = np.cumsum(num_sched)
-        req_index = np.repeat(np.arange(len(req_ids)), num_sched)
-        offsets = np.arange(total) - np.repeat(cu - num_sched, num_sched)
-        computed = batch.num_computed_tokens[rows].astype(np.int64)
-        positions = computed[req_index] + offsets
-        token_rows = rows[req_index]
-        token_ids = batch.token_ids[token_rows, positions]
-        slots = compute_slot_mapping(
-            torch.from_numpy(batch.block_table.table),
-            torch.from_numpy(token_rows),
-            torch.from_numpy(positions),
-            batch.block_table.block_size,
+        batch = self.input_batch
+        num_scheduled = np.fromiter(
+            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
         )
-        seq_lens = computed + num_sched
+        num_computed = batch.num_computed_tokens[batch.rows(req_ids)].astype(np.int64)
+        step = flatten_step(batch, req_ids, num_scheduled, num_computed)
         # Every request runs 1 + k tokens (a decode with k drafts): the decode graphs' batch.
-        uniform_decode = bool((num_sched == self.uniform_decode_query_len).all())
+        uniform_decode = bool((num_scheduled == self.uniform_decode_query_len).all())
         self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
         padded = descriptor.num_tokens
-        self.input_ids[:total].copy_(torch.from_numpy(token_ids))
-        self.positions[:total].copy_(torch.from_numpy(positions))
-        self.slot_mapping[:total].copy_(slots)
+        self.input_ids[:total].copy_(torch.from_numpy(step.token_ids))
+        self.positions[:total].copy_(torch.from_numpy(step.positions))
+        self.slot_mapping[:total].copy_(step.slot_mapping)
         if padded > total:
             self.input_ids[total:padded].zero_()
             self.positions[total:padded].zero_()
-
-        qsl = torch.zeros(len(req_ids) + 1, dtype=torch.int32)
-        qsl[1:] = torch.from_numpy(cu)
-        metadata = self._build_metadata(
-            qsl,
-            torch.from_numpy(seq_lens.astype(np.int32)),
-            batch.block_table.gather(rows),
+        metadata = build_metadata(
+            self.metadata_groups,
+            query_start_loc(step.cu_num_scheduled),
+            torch.from_numpy(step.seq_lens.astype(np.int32)),
+            batch.block_table.gather(step.rows),
             self.slot_mapping[:padded],
             total,
             num_padded_tokens=padded,
@@ -443,122 +316,22 @@ class ModelRunner:
         ):
             hidden = self.forward_model(self.input_ids[:padded], self.positions[:padded])
 
-        # Only requests whose whole known sequence is now computed get tokens: from the
-        # logits of their last position, and of every draft position before it.
-        done = seq_lens >= batch.num_tokens[rows]
-        sampling_idx = np.nonzero(done)[0]
-        sampling_req_ids = [req_ids[i] for i in sampling_idx]
-        drafts = None
-        num_logits = np.ones(len(sampling_idx), dtype=np.int64)
-        if so.scheduled_spec_decode_tokens:
-            spec = so.scheduled_spec_decode_tokens
-            drafts = [spec.get(r, []) for r in sampling_req_ids]
-            num_logits += [len(d) for d in drafts]
-        # The last num_logits positions of each sampling request, in order.
-        ends = np.repeat(cu[sampling_idx], num_logits)
-        back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(int(num_logits.sum()))
-        logits_idx = ends - back
-        prompt_spans = self._prompt_logprob_spans(req_ids, computed, num_sched, cu)
-        if prompt_spans:  # one logits call (a collective under TP) for both kinds of rows
-            logits_idx = np.concatenate(
-                [logits_idx, *(np.arange(f, f + m) for _, _, f, m in prompt_spans)]
-            )
-        logits = self.model.compute_logits(hidden[torch.from_numpy(logits_idx).to(self.device)])
-        prompt_logprobs = {}
-        if prompt_spans and logits is not None:
-            sampled_rows = int(num_logits.sum())
-            prompt_logprobs = self._prompt_logprobs(prompt_spans, logits[sampled_rows:])
-            logits = logits[:sampled_rows]
-        batch.num_computed_tokens[rows] = seq_lens
+        rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
+        # One logits call (a collective under TP) for sampling and prompt rows alike.
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows.indices).to(self.device)])
+        prompt = {}
+        if rows.prompt_spans and logits is not None:
+            prompt = prompt_logprobs(batch, rows.prompt_spans, logits[rows.num_sampling_rows :])
+            logits = logits[: rows.num_sampling_rows]
+        batch.num_computed_tokens[step.rows] = step.seq_lens
         self.execute_state = ExecuteModelState(
             req_ids=req_ids,
             logits=logits,
-            sampling_req_ids=sampling_req_ids,
+            sampling_req_ids=rows.sampling_req_ids,
             runtime_mode=mode.name,
-            drafts=drafts,
-            prompt_logprobs=prompt_logprobs,
+            drafts=rows.drafts,
+            prompt_logprobs=prompt,
         )
-
-    def _prompt_logprob_spans(
-        self, req_ids: list[str], computed: np.ndarray, num_sched: np.ndarray, cu: np.ndarray
-    ) -> list[tuple[str, int, int, int]]:
-        """(request, first position, flat row, count) of this step's prompt positions whose
-        next token is a prompt token, for the requests that want prompt logprobs."""
-        batch = self.input_batch
-        if not batch.prompt_logprob_req_ids:
-            return []
-        spans = []
-        for i, req_id in enumerate(req_ids):
-            if req_id not in batch.prompt_logprob_req_ids:
-                continue
-            first = int(computed[i])
-            end = min(first + int(num_sched[i]), len(batch.requests[req_id].prompt_token_ids) - 1)
-            if end > first:
-                spans.append((req_id, first, int(cu[i] - num_sched[i]), end - first))
-        return spans
-
-    def _prompt_logprobs(
-        self, spans: list[tuple[str, int, int, int]], logits: torch.Tensor
-    ) -> dict[str, tuple[int, list]]:
-        """Per request: (position of the first prompt token scored, its logprobs onward)."""
-        batch = self.input_batch
-        raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
-        targets, top_k = [], []
-        for req_id, first, _, count in spans:
-            row = batch.requests[req_id].row
-            targets.append(torch.from_numpy(batch.token_ids[row, first + 1 : first + 1 + count]))
-            top_k += [batch.requests[req_id].sampling_params.prompt_logprobs] * count
-        flat = gather_logprobs(raw, torch.cat(targets).to(raw.device), top_k)
-        out, at = {}, 0
-        for req_id, first, _, count in spans:
-            out[req_id] = (first + 1, flat[at : at + count])
-            at += count
-        return out
-
-    def _sample(
-        self, logits: torch.Tensor, states: list, drafts: list[list[int]] | None
-    ) -> tuple[list[list[int]], list]:
-        """Per request its tokens and their logprobs (None where not asked for).
-
-        Without drafts one token each; with drafts the rejection sampler verifies them.
-        """
-        plain = all(s.sampling_params.plain_argmax for s in states)
-        if drafts is None and plain:
-            # Nothing changes the logits: skip building the batch's sampling tensors.
-            return [[t] for t in greedy_tokens(logits).tolist()], [None] * len(states)
-        metadata = None
-        if not plain:
-            # One sampling row per logits row: a draft position sees the drafts before it as
-            # output (penalties, min_tokens), exactly as the step that would sample it.
-            rows = [
-                RequestSamplingState(
-                    params=s.sampling_params,
-                    prompt_token_ids=s.prompt_token_ids,
-                    output_token_ids=s.output_token_ids + (d[:j] if j else []),
-                    eos_token_ids=s.eos_token_ids,
-                    generator=s.generator,
-                )
-                for s, d in zip(states, drafts or [[]] * len(states), strict=True)
-                for j in range(len(d) + 1)
-            ]
-            metadata = SamplingMetadata.from_requests(
-                rows, vocab_size=logits.shape[-1], device=logits.device
-            )
-        if drafts is not None:
-            result = rejection_sample(logits, drafts, metadata)
-            return result.token_ids, result.logprobs
-        sampled = self.sampler(logits, metadata)
-        logprobs = [lp if lp is None else [lp] for lp in sampled.logprobs]
-        return [[t] for t in sampled.token_ids.tolist()], logprobs
-
-    def _broadcast_tokens(self, tokens: list[list[int]] | None, num_reqs: int, width: int):
-        """Rank 0's tokens per request on every rank (padded with -1 on the wire)."""
-        wire = torch.full((num_reqs, width), -1, dtype=torch.long, device=self.device)
-        if tokens is not None:
-            for i, ids in enumerate(tokens):
-                wire[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        broadcast_from_first_rank(wire)
-        return [[t for t in row if t >= 0] for row in wire.tolist()]
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
@@ -575,17 +348,17 @@ class ModelRunner:
         tokens: list[list[int]] = []
         logprobs: list = []
         if req_ids:
+            batch = self.input_batch
             width = 1 + max((len(d) for d in state.drafts or []), default=0)
             if state.logits is not None:  # rank 0 samples
-                states = [self.input_batch.requests[r] for r in req_ids]
-                tokens, logprobs = self._sample(state.logits, states, state.drafts)
+                states = [batch.requests[r] for r in req_ids]
+                tokens, logprobs = sample(self.sampler, state.logits, states, state.drafts)
             if self.tp_size > 1:
-                tokens = self._broadcast_tokens(
-                    tokens if state.logits is not None else None, len(req_ids), width
+                tokens = broadcast_tokens(
+                    tokens if state.logits is not None else None, len(req_ids), width, self.device
                 )
             if not logprobs:
                 logprobs = [None] * len(req_ids)
-            batch = self.input_batch
             for i, (req_id, ids) in enumerate(zip(req_ids, tokens, strict=True)):
                 row = batch.requests[req_id].row
                 for token in ids:

@@ -1,0 +1,128 @@
+"""A runner's start-up: the KV cache it takes, and where the time went.
+
+After the weights load and one forward runs at the largest step size (trace and
+compile, or the saved program), the KV cache gets what is left: on CUDA this
+engine's share of the device less its weights and that forward's activations, on a
+CPU the byte budget; never more blocks than the engine can ever use. The cache is
+then allocated and bound to the attention layers. ``StartupTimes`` keeps the
+seconds and sizes for the one start-up line users see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from compile_runtime.attention.kv_cache import (
+    allocate_kv_cache,
+    bind_kv_cache,
+    kv_cache_bytes_per_block,
+)
+from compile_runtime.config import RunnerConfig
+from compile_runtime.runner.kv_sizing import (
+    CudaMemory,
+    blocks_per_request,
+    cuda_kv_budget,
+    most_blocks_needed,
+)
+
+if TYPE_CHECKING:
+    from compile_runtime.attention.layer import Attention
+
+
+class ModelRunnerError(RuntimeError):
+    """The runner cannot start (a KV cache too small) or was called out of order."""
+
+
+@dataclass
+class StartupTimes:
+    """Where a runner's start-up went (seconds), for the one start-up line users see."""
+
+    weights: float = 0.0  # build the model and load its weights
+    first_forward: float = 0.0  # trace + compile, or load the saved program, + one forward
+    compile: float = 0.0  # of which our backend: passes, split, compile or load the pieces
+    saved_program: bool = False  # the first forward ran a saved program: no trace at all
+    kv_cache: float = 0.0
+    graphs: float = 0.0  # CUDA graph capture
+    num_blocks: int = 0
+    kv_cache_tokens: int = 0  # tokens the cache holds (the null block left out)
+    kv_cache_bytes: int = 0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.first_forward + self.kv_cache + self.graphs
+
+    def summary(self) -> str:
+        if self.saved_program:
+            model = f"saved program {self.first_forward:.2f} s (no trace, no compile)"
+        else:
+            trace = max(self.first_forward - self.compile, 0.0)
+            model = f"trace {trace:.2f} s, compile {self.compile:.2f} s"
+        return (
+            f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, {model}, "
+            f"KV cache {self.kv_cache:.2f} s ({self.kv_cache_bytes / 2**30:.2f} GiB, "
+            f"{self.kv_cache_tokens} tokens in {self.num_blocks} blocks), "
+            f"CUDA graphs {self.graphs:.2f} s"
+        )
+
+
+def allocated_bytes(device: torch.device) -> int:
+    """Device memory torch holds now (0 off CUDA): the runner's own use is measured from it."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def num_kv_blocks(
+    config: RunnerConfig,
+    layers: Sequence[Attention],
+    dtype: torch.dtype,
+    device: torch.device,
+    allocated_at_start: int,
+) -> int:
+    """Blocks for the budget (after the profiling forward), capped at what can ever be used."""
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    per_block = kv_cache_bytes_per_block(layers, config.block_size, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the profile's activations count as free
+        free, total = torch.cuda.mem_get_info(device)
+        peak = torch.cuda.max_memory_allocated(device)
+        memory = CudaMemory(
+            total=total,
+            free=free,
+            own_peak=peak - allocated_at_start,
+            activations=peak - allocated_bytes(device),
+        )
+        budget = cuda_kv_budget(memory, config.gpu_memory_utilization)
+    else:
+        budget = config.kv_cache_bytes
+    max_len, block_size = config.max_model_len, config.block_size
+    num_blocks = min(
+        budget // per_block, most_blocks_needed(config.max_num_seqs, max_len, block_size)
+    )
+    needed = blocks_per_request(max_len, block_size) + 1
+    if num_blocks < needed:
+        raise ModelRunnerError(
+            f"the KV cache budget ({budget / 2**20:.1f} MiB) holds {num_blocks} blocks of "
+            f"{block_size} tokens; one request of max_model_len={max_len} needs "
+            f"{needed}. Raise kv_cache_bytes (--kv-cache-bytes) / gpu_memory_utilization or lower "
+            f"max_model_len (--max-model-len)"
+        )
+    return int(num_blocks)
+
+
+def bind_new_kv_cache(
+    layers: Sequence[Attention],
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Allocate the cache and bind it to the layers; its bytes (layers may share a cache)."""
+    caches = allocate_kv_cache(layers, num_blocks, block_size, dtype=dtype, device=device)
+    bind_kv_cache(layers, caches)
+    unique = {id(t): t for t in caches.values()}.values()
+    return sum(t.numel() * t.element_size() for t in unique)

@@ -1,0 +1,159 @@
+"""One step's tokens laid out flat, and the rows whose logits the step needs.
+
+The scheduler says how many tokens each request computes this step and how many it
+had computed before. From those and the persistent batch come the step's flat token
+ids, positions and KV slots (request after request), its query start locations and
+sequence lengths. After the forward, logits are taken in one call at: the last
+position of each request whose known sequence is now computed, every draft position
+of a request verifying drafts (speculative decoding), then the prompt positions of
+requests that asked for prompt logprobs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from compile_runtime.attention.kv_cache import compute_slot_mapping
+from compile_runtime.runner.input_batch import InputBatch
+
+
+@dataclass
+class StepInputs:
+    req_ids: list[str]
+    rows: np.ndarray  # each request's row in the persistent batch
+    num_scheduled: np.ndarray  # tokens each request computes this step
+    num_computed: np.ndarray  # tokens each request had computed before this step
+    cu_num_scheduled: np.ndarray  # running sum of num_scheduled: where each request ends
+    token_ids: np.ndarray  # [total] the step's tokens
+    positions: np.ndarray  # [total]
+    slot_mapping: torch.Tensor  # [total] the KV cache slot each token writes
+
+    @property
+    def total(self) -> int:
+        return int(self.cu_num_scheduled[-1]) if len(self.req_ids) else 0
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        """Tokens each request attends to: its computed ones and this step's."""
+        return self.num_computed + self.num_scheduled
+
+
+def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
+    """``[0, *cu_query_lens]`` as the host int32 tensor the metadata builders take."""
+    qsl = torch.zeros(len(cu_query_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.from_numpy(cu_query_lens)
+    return qsl
+
+
+def flatten_step(
+    batch: InputBatch, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray
+) -> StepInputs:
+    """The step's tokens in request order: request i computes ``num_scheduled[i]`` tokens
+    from position ``num_computed[i]`` on."""
+    rows = batch.rows(req_ids)
+    cu = np.cumsum(num_scheduled)
+    total = int(cu[-1]) if len(cu) else 0
+    req_index = np.repeat(np.arange(len(req_ids)), num_scheduled)
+    offsets = np.arange(total) - np.repeat(cu - num_scheduled, num_scheduled)
+    positions = num_computed[req_index] + offsets
+    token_rows = rows[req_index]
+    slots = compute_slot_mapping(
+        torch.from_numpy(batch.block_table.table),
+        torch.from_numpy(token_rows),
+        torch.from_numpy(positions),
+        batch.block_table.block_size,
+    )
+    return StepInputs(
+        req_ids=req_ids,
+        rows=rows,
+        num_scheduled=num_scheduled,
+        num_computed=num_computed,
+        cu_num_scheduled=cu,
+        token_ids=batch.token_ids[token_rows, positions],
+        positions=positions,
+        slot_mapping=slots,
+    )
+
+
+class PromptSpan(NamedTuple):
+    """Prompt positions of one request whose next token is a prompt token, computed this step."""
+
+    req_id: str
+    first: int  # position of the first
+    flat_row: int  # its row among the step's tokens
+    count: int
+
+
+@dataclass
+class LogitsRows:
+    """Which of the step's hidden rows get logits: sampling rows first, then prompt rows."""
+
+    indices: np.ndarray
+    sampling_req_ids: list[str]  # requests whose known sequence is computed: they get tokens
+    drafts: list[list[int]] | None  # per sampling request, when any request has drafts
+    num_sampling_rows: int  # per sampling request 1 + its drafts
+    prompt_spans: list[PromptSpan]
+
+
+def logits_rows(
+    step: StepInputs, batch: InputBatch, spec_tokens: dict[str, list[int]]
+) -> LogitsRows:
+    """The rows to take logits at (``spec_tokens``: each request's drafts this step)."""
+    done = step.seq_lens >= batch.num_tokens[step.rows]
+    sampling_idx = np.nonzero(done)[0]
+    sampling_req_ids = [step.req_ids[i] for i in sampling_idx]
+    drafts = None
+    num_logits = np.ones(len(sampling_idx), dtype=np.int64)
+    if spec_tokens:
+        drafts = [spec_tokens.get(r, []) for r in sampling_req_ids]
+        num_logits += [len(d) for d in drafts]
+    # The last num_logits positions of each sampling request, in order.
+    ends = np.repeat(step.cu_num_scheduled[sampling_idx], num_logits)
+    back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(int(num_logits.sum()))
+    indices = ends - back
+    spans = prompt_logprob_spans(step, batch)
+    if spans:
+        indices = np.concatenate(
+            [indices, *(np.arange(s.flat_row, s.flat_row + s.count) for s in spans)]
+        )
+    return LogitsRows(
+        indices=indices,
+        sampling_req_ids=sampling_req_ids,
+        drafts=drafts,
+        num_sampling_rows=int(num_logits.sum()),
+        prompt_spans=spans,
+    )
+
+
+def prompt_logprob_spans(step: StepInputs, batch: InputBatch) -> list[PromptSpan]:
+    """This step's prompt positions scored for the requests that want prompt logprobs."""
+    if not batch.prompt_logprob_req_ids:
+        return []
+    spans = []
+    for i, req_id in enumerate(step.req_ids):
+        if req_id not in batch.prompt_logprob_req_ids:
+            continue
+        first = int(step.num_computed[i])
+        num_prompt = len(batch.requests[req_id].prompt_token_ids)
+        end = min(first + int(step.num_scheduled[i]), num_prompt - 1)
+        if end > first:
+            flat_row = int(step.cu_num_scheduled[i] - step.num_scheduled[i])
+            spans.append(PromptSpan(req_id, first, flat_row, end - first))
+    return spans
+
+
+def capture_query_lens(
+    num_tokens: int, num_reqs: int | None, max_model_len: int, max_num_seqs: int
+) -> np.ndarray:
+    """Query lengths of a FULL graph's capture batch of ``num_tokens``: ``num_reqs`` requests
+    (enough of them that none is longer than ``max_model_len``), the last taking the rest."""
+    n = num_tokens
+    count = max(num_reqs or 1, -(-n // max_model_len))
+    count = min(count, max_num_seqs, n)
+    query_lens = np.full(count, n // count, dtype=np.int32)
+    query_lens[-1] += n - int(query_lens.sum())
+    return query_lens
