@@ -4,7 +4,9 @@ A backend is a class with class-level facts (name, CUDA graph support, the
 dtypes, head sizes and devices it takes) plus two factories: the per-layer
 implementation that computes attention, and the per-step metadata builder.
 The registry reads the facts to choose one; the layer holds an instance of
-its implementation.
+its implementation. ``AttentionImpl.forward`` is the one place that writes the
+step's keys/values into the cache and zeroes the output's padding rows; the
+implementations only compute.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
 from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.config import AttentionCGSupport
@@ -24,7 +27,17 @@ class AttentionBackendError(ValueError):
 
 
 class AttentionImpl:
-    """Computes one layer's attention for one step (called by the custom op)."""
+    """Computes one layer's attention for one step (called by the custom op).
+
+    ``forward`` is the one owner of the padding contract; impls implement ``compute``
+    (and, where needed, the ``check`` hook and the ``compute_writes_cache`` flag), never
+    ``forward`` itself.
+    """
+
+    # True when ``compute`` writes the step's keys and values into the cache itself (a
+    # kernel that writes them in the same pass as its attention); it must then write
+    # exactly what ``write_kv_cache`` would, before anything reads the cache.
+    compute_writes_cache: ClassVar[bool] = False
 
     def __init__(self, spec: AttentionSpec):
         self.spec = spec
@@ -38,7 +51,41 @@ class AttentionImpl:
         metadata: AttentionMetadata,
         output: torch.Tensor,  # [num_tokens, num_heads, head_size], written in place
     ) -> None:
-        """Write this step's keys/values into the cache, then attention into ``output``."""
+        """Write this step's keys/values into the cache, then attention into ``output``.
+
+        The padding contract, for every backend: the tensors have the padded token count
+        and the tokens past ``metadata.num_actual_tokens`` are padding. Every token with a
+        slot is written there (``write_kv_cache``: padding slots are -1, the null block,
+        so the write has one shape per padded size and can be captured). ``compute`` then
+        writes the first rows of ``output`` and says how many; the rows after them are
+        zeroed here. Inside a FULL CUDA graph ``num_actual_tokens`` is a host number frozen
+        at capture, so there ``compute`` writes every row and returns the padded count
+        (Triton's kernel zeroes the padding rows, FlashInfer's graph decode attends them to
+        the null block); rows past the real tokens are never read.
+        """
+        self.check(query, metadata)
+        if not self.compute_writes_cache:
+            write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+        rows = self.compute(query, key, value, kv_cache, metadata, output)
+        if rows < output.shape[0]:
+            output[rows:].zero_()
+
+    def check(self, query: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Hook: raise ``AttentionBackendError`` for a step this impl cannot run, before
+        anything is written. Default: every step runs."""
+
+    def compute(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> int:
+        """Attention of the step's queries over ``kv_cache`` (which holds this step's keys and
+        values, unless ``compute_writes_cache``) into the first rows of ``output``; returns
+        how many rows it wrote (``metadata.num_actual_tokens`` for most)."""
         raise NotImplementedError
 
 

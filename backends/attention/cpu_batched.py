@@ -214,7 +214,11 @@ def _kernel_takes(spec, query, key, value, output, kv_cache, metadata: Attention
 
 
 class CPUBatchedImpl(AttentionImpl):
-    def forward(
+    # The C decode kernel writes the whole step's keys/values in the same call as the decode
+    # group's attention (one pass instead of two); without it, write_kv_cache writes them.
+    compute_writes_cache = True
+
+    def compute(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -222,7 +226,7 @@ class CPUBatchedImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         output: torch.Tensor,
-    ) -> None:
+    ) -> int:
         plan: BatchedPlan = metadata.backend_state
         kernel = None
         if plan.decode is not None and _kernel_takes(
@@ -237,8 +241,7 @@ class CPUBatchedImpl(AttentionImpl):
                 self._decode(query, kv_cache, plan.decode, output)
         if plan.prefill is not None:
             self._prefill(query, kv_cache, plan.prefill, output)
-        if output.shape[0] > metadata.num_actual_tokens:
-            output[metadata.num_actual_tokens :].zero_()
+        return metadata.num_actual_tokens
 
     def _decode_kernel(self, kernel, query, key, value, kv_cache, metadata, output) -> None:
         """Cache writes of the whole step and the decode group's attention in one C call."""

@@ -28,7 +28,7 @@ from compile_runtime.backends.attention.base import (
     AttentionImpl,
 )
 
-from compile_runtime.attention.kv_cache import NULL_BLOCK_ID, write_kv_cache
+from compile_runtime.attention.kv_cache import NULL_BLOCK_ID
 from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
 from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.config import AttentionCGSupport
@@ -207,15 +207,9 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
 
 
 class FlashInferImpl(AttentionImpl):
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: AttentionMetadata,
-        output: torch.Tensor,
-    ) -> None:
+    def check(self, query: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """The step must have been planned by FlashInfer's builder, for this layer's dtype,
+        window and cap."""
         state = metadata.backend_state
         if not isinstance(state, FlashInferState):
             raise AttentionBackendError(
@@ -234,11 +228,22 @@ class FlashInferImpl(AttentionImpl):
                 f"{(self.spec.sliding_window, self.spec.logits_soft_cap)}; give each "
                 "(window, cap) its own builder (FlashInferBackend.metadata_key), as the runner does"
             )
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+
+    def compute(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        output: torch.Tensor,
+    ) -> int:
+        """The rows the wrapper was planned for: the real tokens, or in a FULL graph every
+        padded token (each one a request on the null block)."""
+        state: FlashInferState = metadata.backend_state
         n = state.num_tokens
         state.wrapper.run(query[:n].contiguous(), (kv_cache[0], kv_cache[1]), out=output[:n])
-        if n < output.shape[0]:
-            output[n:].zero_()
+        return n
 
 
 class FlashInferBackend(AttentionBackend):

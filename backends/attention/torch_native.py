@@ -11,13 +11,12 @@ import torch
 from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 
 from compile_runtime.attention.dense import dense_causal_attention
-from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata
 from compile_runtime.config import AttentionCGSupport
 
 
 class TorchNativeImpl(AttentionImpl):
-    def forward(
+    def compute(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -25,8 +24,7 @@ class TorchNativeImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         output: torch.Tensor,
-    ) -> None:
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
+    ) -> int:
         block_size, num_kv_heads, head_size = kv_cache.shape[2:]
         starts = metadata.query_start_loc_cpu.tolist()
         seq_lens = metadata.seq_lens_cpu.tolist()
@@ -45,7 +43,7 @@ class TorchNativeImpl(AttentionImpl):
                 self.spec.sliding_window,
                 self.spec.logits_soft_cap,
             )
-        output[metadata.num_actual_tokens :].zero_()
+        return metadata.num_actual_tokens
 
 
 class TorchNativeBackend(AttentionBackend):

@@ -17,13 +17,12 @@ import os
 import torch
 from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 
-from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata
 from compile_runtime.config import AttentionCGSupport
 
 
 class TritonImpl(AttentionImpl):
-    def forward(
+    def compute(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
@@ -31,13 +30,13 @@ class TritonImpl(AttentionImpl):
         kv_cache: torch.Tensor,
         metadata: AttentionMetadata,
         output: torch.Tensor,
-    ) -> None:
+    ) -> int:
+        """Every row, the padding rows as zeros: the kernel finds the real token count on the
+        device, so a captured launch serves any count."""
         from compile_runtime.backends.attention.triton_kernel import paged_attention
 
-        write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
         if metadata.num_reqs_padded == 0:  # nothing but padding (a dummy step)
-            output.zero_()
-            return
+            return 0
         paged_attention(
             query,
             kv_cache,
@@ -49,6 +48,7 @@ class TritonImpl(AttentionImpl):
             self.spec.sliding_window,
             self.spec.logits_soft_cap,
         )
+        return query.shape[0]
 
 
 class TritonBackend(AttentionBackend):
