@@ -13,7 +13,7 @@ at start-up, from a recorded workload:
   of ``max_cudagraph_capture_size`` (default 512, the default ladder's top)
   and the runner's tokens per step. Larger steps run without a graph.
 
-The config keeps the spec string (hashable, serialisable; ``config.py`` only checks its
+The config keeps the spec string (hashable, serialisable; ``config/compilation.py`` only checks its
 form). The file's contents change which graphs are captured, never compiled code, so the
 compile cache key holds the spec string, not the file's contents.
 """
