@@ -34,6 +34,7 @@ print(
             "misses": c.num_cache_misses,
             "saved": c.num_compiled_artifacts_saved,
             "loaded": c.num_compiled_artifacts_loaded,
+            "threads": torch.get_num_threads(),
             "output": out.tolist(),
         }
     )

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from compile_runtime.cache import manage
 
@@ -16,7 +17,10 @@ HERE = os.path.dirname(__file__)
 pytestmark = pytest.mark.slow
 
 
-def worker(cache_dir, config: dict | None = None, check: bool = True) -> tuple[dict, str]:
+def worker(
+    cache_dir, config: dict | None = None, check: bool = True, threads: int | None = None
+) -> tuple[dict, str]:
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
     proc = subprocess.run(
         [
             sys.executable,
@@ -29,6 +33,7 @@ def worker(cache_dir, config: dict | None = None, check: bool = True) -> tuple[d
         capture_output=True,
         text=True,
         cwd=HERE,
+        env=env,
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -61,6 +66,28 @@ def test_second_process_loads_and_moved_cache_still_hits(warm_cache, tmp_path):
     shutil.copytree(cache, moved)
     again, _ = worker(moved)
     assert again["inductor"] == 0 and again["output"] == cold["output"]
+
+
+@pytest.mark.parametrize("first, second", [(1, 2), (2, 1)])
+def test_a_start_at_another_thread_count_loads_the_entry(tmp_path, first, second):
+    """The thread count follows how busy the machine is at start-up; it is not in the key."""
+    cold, _ = worker(tmp_path, threads=first)
+    warm, _ = worker(tmp_path, threads=second)
+    assert (cold["threads"], warm["threads"]) == (first, second)
+    assert cold["inductor"] == 3 and warm["inductor"] == 0 and warm["loaded"] == 3
+    torch.testing.assert_close(torch.tensor(warm["output"]), torch.tensor(cold["output"]))
+    assert len(manage.key_dirs(str(tmp_path))) == 1
+
+
+def test_kernels_with_the_thread_count_baked_in_have_it_in_the_key(tmp_path):
+    baked = {"inductor_compile_config": {"cpp.dynamic_threads": False}}
+    cold, _ = worker(tmp_path, baked, threads=1)
+    other, _ = worker(tmp_path, baked, threads=2)
+    assert cold["inductor"] == 3 and other["inductor"] == 3
+    devices = {
+        manage.factors_of(str(tmp_path), k)["device"] for k in manage.key_dirs(str(tmp_path))
+    }
+    assert len(devices) == 2 and all(d.endswith(("1t", "2t")) for d in devices)
 
 
 def test_changed_config_misses_and_explain_names_the_field(warm_cache, tmp_path):

@@ -49,7 +49,9 @@ class InductorAdaptor(CompilerAdaptor):
     name = "inductor"
 
     def __init__(self, config_patches: dict[str, Any] | None = None, pass_manager=None):
-        self.config_patches = dict(config_patches or {})
+        # Kernels read the thread count when they run, so one compile serves every count
+        # (the cache key leaves it out: compile_runtime/cache/key.py::thread_count_baked_in).
+        self.config_patches = {"cpp.dynamic_threads": True, **(config_patches or {})}
         # A compile_runtime.passes.PassManager: its post-grad passes run on every piece.
         self.pass_manager = pass_manager
         self._warned_unsaveable = False

@@ -26,17 +26,30 @@ from compile_runtime.version import __version__
 KEY_LENGTH = 20
 
 
-def device_kind(device: torch.device | str | None = None) -> str:
-    """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>:<threads>t`` otherwise.
-
-    Inductor's CPU kernels have the thread count of their compile baked in, so
-    a start with another count must not load them.
-    """
+def device_kind(device: torch.device | str | None = None, *, threads: bool = False) -> str:
+    """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>`` otherwise (``cpu:<ISA>:<n>t``
+    with ``threads``: when the compiled code has the thread count baked in)."""
     device = resolve_device(device)
     if device.type == "cuda" and torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:sm_{major}{minor}:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{torch.get_num_threads()}t"
+    kind = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return f"{kind}:{torch.get_num_threads()}t" if threads else kind
+
+
+def thread_count_baked_in(config: CompilationConfig) -> bool:
+    """Whether compiled CPU code depends on the thread count at its compile.
+
+    Our Inductor adaptor turns on ``cpp.dynamic_threads`` (its kernels ask OpenMP
+    for the count when they run; no cost measured on the real model), so an entry
+    written at one count loads at any other, and the default count, which follows
+    how busy the machine is at start-up, never changes the key. Only a user who
+    turns it off gets kernels with the count baked in, and the count in the key.
+    """
+    return (
+        config.backend == "inductor"
+        and config.inductor_compile_config.get("cpp.dynamic_threads", True) is False
+    )
 
 
 def versions() -> dict[str, str]:
@@ -96,7 +109,7 @@ def key_factors(
         "graph": graph_hash,
         "sources": sources,
         "versions": versions(),
-        "device": device_kind(device),
+        "device": device_kind(device, threads=thread_count_baked_in(config)),
         "passes": pass_uuid,
         "world_size": world_size,
     }
