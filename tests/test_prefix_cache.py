@@ -17,6 +17,7 @@ from compile_runtime.runner.prefix_cache import ROOT_HASH, extend_block_hashes, 
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
 
 EAGER = {"backend": "eager"}
 
@@ -119,7 +120,7 @@ def step(s: Scheduler, runner: FakeRunner):
     out = s.schedule()
     check_invariants(s, out)
     s.update_from_output(out, runner.execute(out))
-    s.check_consistency()
+    check_scheduler_invariants(s)
     return out
 
 
@@ -257,7 +258,7 @@ def test_greedy_tokens_identical_with_and_without_the_cache(llama_pair, prompts)
     batch = [SYSTEM[:n] + tail for n, tail in prompts]
     expected = [o.token_ids for o in off.generate(batch, GREEDY, progress=False)]
     assert [o.token_ids for o in on.generate(batch, GREEDY, progress=False)] == expected
-    on.scheduler.check_consistency()
+    check_scheduler_invariants(on.scheduler)
     assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
 
 
@@ -290,7 +291,7 @@ def test_a_failed_step_leaves_the_cache_consistent_and_correct(llama_pair, monke
     with pytest.raises(StepFailedError, match="injected fault"):
         on.generate(batch, GREEDY, progress=False)
     monkeypatch.undo()
-    on.scheduler.check_consistency()
+    check_scheduler_invariants(on.scheduler)
     assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
     assert [o.token_ids for o in on.generate(batch, GREEDY, progress=False)] == expected
 

@@ -17,6 +17,7 @@ from compile_runtime.runner.block_pool import BlockPool
 from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
@@ -115,7 +116,7 @@ def check_invariants(s: Scheduler, out: SchedulerOutput) -> None:
     assert out.total_num_scheduled_tokens <= s.max_num_batched_tokens
     assert len(out.num_scheduled_tokens) <= s.max_num_seqs
     assert len(s.running) <= s.max_num_seqs
-    s.check_consistency()  # references, free blocks, cache hashes, nothing partial shared
+    check_scheduler_invariants(s)  # references, free blocks, cache hashes, nothing partial shared
 
 
 def run(

@@ -25,6 +25,7 @@ from compile_runtime.runner.sampling_metadata import (
 )
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
 
 EAGER = {"backend": "eager"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -262,7 +263,7 @@ def test_greedy_tokens_identical_with_and_without_drafts(engines, prompts):
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     expected = [o.token_ids for o in plain.generate(batch, params, progress=False)]
     assert [o.token_ids for o in spec.generate(batch, params, progress=False)] == expected
-    spec.scheduler.check_consistency()
+    check_scheduler_invariants(spec.scheduler)
 
 
 def test_drafts_are_verified_and_counted(engines):

@@ -10,7 +10,10 @@ one model, one dtype, one block size; the root seed names the scheme so a
 change of it never matches old hashes.
 
 Only full blocks get a hash: the partial last block of a request is never
-shared, since its remaining slots will be written by its owner.
+shared, since its remaining slots will be written by its owner. A joining request
+takes the longest run of its full blocks already cached, short of its last token
+(computing that token gives the logits of the next one); a running request's full
+blocks enter the cache once a step has computed them.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
+from compile_runtime.runner.block_pool import BlockPool
 from compile_runtime.runner.request import Request
 
 ROOT_HASH = hashlib.blake2b(b"compile_runtime prefix cache v1", digest_size=16).digest()
@@ -49,6 +53,24 @@ def extend_block_hashes(request: Request, num_blocks: int, block_size: int) -> l
         parent = hash_block(parent, tokens[i : i + block_size])
         hashes.append(parent)
     return hashes
+
+
+def find_cached_prefix(pool: BlockPool, request: Request, block_size: int) -> list[int]:
+    """Cached blocks holding the longest prefix of the request's tokens, short of its last."""
+    num_blocks = (request.num_tokens - 1) // block_size
+    hashes = extend_block_hashes(request, num_blocks, block_size)
+    return pool.find_cached(hashes[:num_blocks])
+
+
+def cache_computed_blocks(pool: BlockPool, request: Request, block_size: int) -> None:
+    """Put the request's full blocks that are computed by now into the cache."""
+    num_full = request.num_computed_tokens // block_size
+    if num_full <= request.num_cached_blocks:
+        return
+    hashes = extend_block_hashes(request, num_full, block_size)
+    for i in range(request.num_cached_blocks, num_full):
+        pool.cache(request.block_ids[i], hashes[i])
+    request.num_cached_blocks = num_full
 
 
 @dataclass

@@ -26,10 +26,10 @@ until the pool needs them (a preempted request's restart usually finds its own
 blocks). Every layer keeps every block of a sequence (sliding-window layers
 included), so a cached block holds exactly the KV a recompute would write.
 
-Admission is all or nothing: ``add_requests`` checks every request (prompt
-ids inside the vocabulary, length within max_model_len and the cache, logit
-bias ids) before it queues any, so a bad request never reaches a step. When
-a step fails anyway, ``abort_requests`` frees the requests' blocks and tells
+Admission is all or nothing: ``add_requests`` checks every request
+(admission.py) before it queues any, so a bad request never reaches a step.
+When a request stops, and how many drafts it may verify, is stop_rules.py's
+rule. When a step fails anyway, ``abort_requests`` frees the requests' blocks and tells
 the runner to drop them at the next step, before it takes any new request.
 
 Protocol per step: ``out = schedule()``, the runner executes ``out``, then
@@ -43,17 +43,24 @@ from __future__ import annotations
 
 import bisect
 import logging
-from collections import Counter, deque
+from collections import deque
 
+from compile_runtime.runner.admission import AdmissionLimits
 from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.prefix_cache import PrefixCacheStats, extend_block_hashes
+from compile_runtime.runner.prefix_cache import (
+    PrefixCacheStats,
+    cache_computed_blocks,
+    find_cached_prefix,
+)
 from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
+    check_runner_output,
 )
 from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
+from compile_runtime.runner.stop_rules import append_until_stop, capped_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +109,15 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        self.max_model_len = max_model_len
-        self.vocab_size = vocab_size
+        self.admission = AdmissionLimits(
+            block_size=block_size,
+            num_blocks=self.block_pool.num_blocks,
+            num_usable_blocks=self.block_pool.num_usable,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+        )
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache_stats = PrefixCacheStats()
         self.spec_decode_stats = SpecDecodeStats()
@@ -137,55 +151,9 @@ class Scheduler:
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError, naming the request and the fix, for what a step could not run."""
-        rid = request.req_id
-        if rid in self.requests:
-            raise ValueError(f"request id {rid!r} is already in the scheduler")
-        prompt = request.prompt_token_ids
-        if not prompt:
-            raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token")
-        if self.vocab_size is not None:
-            bad = next((t for t in prompt if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise ValueError(
-                    f"request {rid!r}: prompt token id {bad} (position {prompt.index(bad)}) is "
-                    f"outside the vocabulary [0, {self.vocab_size}); pass ids the model's "
-                    "tokenizer produces"
-                )
-            bad = next(
-                (t for t in request.sampling_params.logit_bias if not 0 <= t < self.vocab_size),
-                None,
-            )
-            if bad is not None:
-                raise ValueError(
-                    f"request {rid!r}: logit_bias token id {bad} is outside the vocabulary "
-                    f"[0, {self.vocab_size}); remove it from SamplingParams.logit_bias"
-                )
-        max_tokens = request.sampling_params.max_tokens
-        total = len(prompt) + max_tokens
-        if self.max_model_len is not None and total > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} "
-                f"exceeds max_model_len={self.max_model_len}; shorten the prompt, lower "
-                "max_tokens or start the engine with a larger max_model_len"
-            )
-        blocks_needed = _cdiv(total, self.block_size)
-        if blocks_needed > self.block_pool.num_usable:
-            raise ValueError(
-                f"request {rid!r} can never fit in the KV cache: prompt "
-                f"{len(prompt)} + max_tokens {max_tokens} = {total} tokens "
-                f"need {blocks_needed} blocks of {self.block_size} tokens, but the cache has "
-                f"{self.block_pool.num_usable} usable blocks (num_blocks="
-                f"{self.block_pool.num_blocks}, block 0 reserved); lower max_tokens, shorten "
-                f"the prompt or give the cache more blocks"
-            )
-        if not self.enable_chunked_prefill and total > self.max_num_batched_tokens:
-            # After a preemption, prompt + outputs must be prefilled in one step.
-            raise ValueError(
-                f"request {rid!r}: prompt {len(prompt)} + "
-                f"max_tokens {max_tokens} = {total} tokens exceeds max_num_batched_tokens="
-                f"{self.max_num_batched_tokens} with chunked prefill disabled; enable "
-                f"chunked prefill or raise max_num_batched_tokens"
-            )
+        if request.req_id in self.requests:
+            raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
+        self.admission.check(request)
 
     def abort_requests(
         self, req_ids: list[str], failed_step: SchedulerOutput | None = None
@@ -252,7 +220,7 @@ class Scheduler:
             and budget > 0
         ):
             req = self.waiting[0]
-            cached = self._find_cached_prefix(req)
+            cached = self._cached_prefix(req)
             num_cached = len(cached) * self.block_size
             num_new = self._num_tokens_to_compute(req, num_cached)
             if not self.enable_chunked_prefill and num_new > budget:
@@ -297,24 +265,10 @@ class Scheduler:
             n = min(n, self.long_prefill_token_threshold)
         return n
 
-    def _find_cached_prefix(self, req: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of req's tokens, short of its last token."""
+    def _cached_prefix(self, req: Request) -> list[int]:
         if not self.enable_prefix_caching or req.sampling_params.prompt_logprobs is not None:
             return []  # prompt logprobs need every prompt position computed
-        # At least the last token is computed: it gives the logits of the next token.
-        num_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = extend_block_hashes(req, num_blocks, self.block_size)
-        return self.block_pool.find_cached(hashes[:num_blocks])
-
-    def _cache_computed_blocks(self, req: Request) -> None:
-        """Put req's full blocks that are computed by now into the prefix cache."""
-        num_full = req.num_computed_tokens // self.block_size
-        if num_full <= req.num_cached_blocks:
-            return
-        hashes = extend_block_hashes(req, num_full, self.block_size)
-        for i in range(req.num_cached_blocks, num_full):
-            self.block_pool.cache(req.block_ids[i], hashes[i])
-        req.num_cached_blocks = num_full
+        return find_cached_prefix(self.block_pool, req, self.block_size)
 
     def _free_blocks(self, req: Request) -> None:
         """Give back req's blocks, last first: its tail is evicted before the shared head."""
@@ -368,28 +322,7 @@ class Scheduler:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=False))
         spec = scheduler_output.scheduled_spec_decode_tokens
-        # Validate before touching any state.
-        for req_id, n in scheduler_output.num_scheduled_tokens.items():
-            req = self.requests.get(req_id)
-            if req is None or req.status is not RequestStatus.RUNNING:
-                raise ValueError(f"request {req_id!r} in the scheduler output is not running")
-            completes_prompt = req.num_computed_tokens + n >= req.num_tokens
-            tokens = sampled.get(req_id) or []
-            if completes_prompt and not tokens:
-                raise ValueError(
-                    f"request {req_id!r} finished its prefill this step but the runner "
-                    "returned no sampled token for it"
-                )
-            if not completes_prompt and tokens:
-                raise ValueError(
-                    f"request {req_id!r} is mid-prefill ({req.num_computed_tokens + n} of "
-                    f"{req.num_tokens} tokens) but the runner sampled tokens {tokens} for it"
-                )
-            if len(tokens) > 1 + len(spec.get(req_id, ())):
-                raise ValueError(
-                    f"request {req_id!r} got {len(tokens)} tokens from a step that verified "
-                    f"{len(spec.get(req_id, ()))} drafts (at most drafts + 1)"
-                )
+        check_runner_output(scheduler_output, runner_output, self.requests)  # before any change
 
         finished: list[Request] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
@@ -398,44 +331,23 @@ class Scheduler:
             drafts = spec.get(req_id, ())
             if drafts:
                 self.spec_decode_stats.record(len(drafts), len(tokens) - 1)
-            status = None
-            for kept, token in enumerate(tokens, 1):
-                req.output_token_ids.append(token)
-                status = self._check_stop(req, token)
-                if status is not None:
-                    # Tokens after a stop are dropped, from the runner's output too.
-                    del tokens[kept:]
-                    if logprobs.get(req_id) is not None:
-                        del logprobs[req_id][kept:]
-                    break
+            # Tokens after a stop are dropped, from the runner's output too.
+            status = append_until_stop(req, tokens, logprobs.get(req_id))
             # Rejected drafts' KV is not computed: those slots are written again later.
             num_rejected = len(drafts) + 1 - len(tokens) if tokens else 0
             req.num_computed_tokens = min(
                 req.num_computed_tokens + n - num_rejected, req.num_tokens
             )
             if self.enable_prefix_caching:
-                self._cache_computed_blocks(req)
+                cache_computed_blocks(self.block_pool, req, self.block_size)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
             elif tokens:
-                # Never draft past max_tokens: the next step emits at least one token more.
-                room = req.sampling_params.max_tokens - len(req.output_token_ids) - 1
-                req.spec_token_ids = runner_output.draft_token_ids.get(req_id, [])[: max(room, 0)]
+                req.spec_token_ids = capped_drafts(
+                    req, runner_output.draft_token_ids.get(req_id, [])
+                )
         return finished
-
-    @staticmethod
-    def _check_stop(req: Request, token: int) -> RequestStatus | None:
-        params = req.sampling_params
-        num_out = len(req.output_token_ids)
-        if num_out >= params.min_tokens:
-            if token in req.eos_token_ids and not params.ignore_eos:
-                return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
-                return RequestStatus.FINISHED_STOPPED
-        if num_out >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
@@ -443,34 +355,3 @@ class Scheduler:
         self._free_blocks(req)
         del self.requests[req.req_id]
         self._finished_req_ids.add(req.req_id)
-
-    # ------------------------------------------------------------------ checks
-
-    def check_consistency(self) -> None:
-        """Raise AssertionError unless blocks, references and the cache agree (for tests).
-
-        Every block held is counted once per running request holding it; waiting
-        requests hold none; a request's full computed blocks are in the cache under
-        its own hashes (or were computed twice at once and stay plain); its other
-        blocks, the partial last one above all, hold no hash and are never shared.
-        """
-        pool = self.block_pool
-        holders: Counter[int] = Counter()
-        for req in self.running:
-            rid = req.req_id
-            assert len(set(req.block_ids)) == len(req.block_ids), f"{rid} holds a block twice"
-            assert len(req.block_ids) * self.block_size >= req.num_computed_tokens
-            full = req.num_computed_tokens // self.block_size
-            assert req.num_cached_blocks == (full if self.enable_prefix_caching else 0), rid
-            for i, block in enumerate(req.block_ids):
-                holders[block] += 1
-                block_hash = pool.hash_of(block)
-                if i < req.num_cached_blocks:
-                    assert block_hash in (None, req.block_hashes[i]), f"{rid}: block {i}'s hash"
-                else:
-                    assert block_hash is None, f"{rid}: block {i} is cached but not computed"
-        for block, n in holders.items():
-            assert n == 1 or pool.hash_of(block) is not None, f"uncached block {block} shared"
-        for req in self.waiting:
-            assert not req.block_ids and req.num_cached_blocks == 0
-        pool.check_consistency(holders)

@@ -1,13 +1,17 @@
 """What the scheduler tells the runner each step, and what the runner answers.
 
 Only differences travel: new requests in full, running ones by how many
-tokens to compute and which blocks were added, finished ones by id.
+tokens to compute and which blocks were added, finished ones by id. The
+scheduler checks each answer against its step (``check_runner_output``) before
+it changes any state.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.sampling_params import SamplingParams
 
 
@@ -69,3 +73,36 @@ class ModelRunnerOutput:
     # req_id -> (first prompt position, logprobs of the prompt tokens from there) for the
     # prompt positions this step computed, when the request asked for prompt logprobs.
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+
+
+def check_runner_output(
+    scheduler_output: SchedulerOutput,
+    runner_output: ModelRunnerOutput,
+    requests: Mapping[str, Request],
+) -> None:
+    """Raise ValueError unless the runner's answer fits the step: every scheduled request is
+    running, one whose prompt the step completes got tokens (at most 1 + its drafts), one
+    still mid-prefill got none. ``requests``: the scheduler's, as before the step."""
+    sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
+    spec = scheduler_output.scheduled_spec_decode_tokens
+    for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        req = requests.get(req_id)
+        if req is None or req.status is not RequestStatus.RUNNING:
+            raise ValueError(f"request {req_id!r} in the scheduler output is not running")
+        completes_prompt = req.num_computed_tokens + n >= req.num_tokens
+        tokens = sampled.get(req_id) or []
+        if completes_prompt and not tokens:
+            raise ValueError(
+                f"request {req_id!r} finished its prefill this step but the runner "
+                "returned no sampled token for it"
+            )
+        if not completes_prompt and tokens:
+            raise ValueError(
+                f"request {req_id!r} is mid-prefill ({req.num_computed_tokens + n} of "
+                f"{req.num_tokens} tokens) but the runner sampled tokens {tokens} for it"
+            )
+        if len(tokens) > 1 + len(spec.get(req_id, ())):
+            raise ValueError(
+                f"request {req_id!r} got {len(tokens)} tokens from a step that verified "
+                f"{len(spec.get(req_id, ()))} drafts (at most drafts + 1)"
+            )
