@@ -43,7 +43,6 @@ class InputBatch:
         self.max_model_len = max_model_len
         self.token_ids = np.zeros((max_num_reqs, max_model_len), dtype=np.int64)
         self.num_tokens = np.zeros(max_num_reqs, dtype=np.int32)  # prompt + outputs so far
-        self.num_computed_tokens = np.zeros(max_num_reqs, dtype=np.int32)
         max_blocks = -(-max_model_len // block_size)
         self.block_table = BlockTable(max_num_reqs, max_blocks, block_size, device)
         self.requests: dict[str, RequestState] = {}
@@ -68,7 +67,6 @@ class InputBatch:
         row = self._free_rows.pop()
         self.token_ids[row, :n] = new.prompt_token_ids
         self.num_tokens[row] = n
-        self.num_computed_tokens[row] = new.num_computed_tokens
         self.block_table.add_row(row, new.block_ids)
         generator = None
         if new.sampling_params.seed is not None:

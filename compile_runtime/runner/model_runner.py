@@ -253,12 +253,8 @@ class ModelRunner:
         for new in so.scheduled_new_reqs:
             batch.add_request(new)
         cached = so.scheduled_cached_reqs
-        for req_id, blocks, computed in zip(
-            cached.req_ids, cached.new_block_ids, cached.num_computed_tokens, strict=True
-        ):
-            row = batch.requests[req_id].row
-            batch.block_table.append_row(row, blocks)
-            batch.num_computed_tokens[row] = computed
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            batch.block_table.append_row(batch.requests[req_id].row, blocks)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             # After the request's last token, not counted in its tokens until accepted.
             row = batch.requests[req_id].row
@@ -273,8 +269,7 @@ class ModelRunner:
                 "after every execute_model()"
             )
         self._update_states(so)
-        req_ids = list(so.num_scheduled_tokens)
-        if not req_ids:
+        if not so.num_scheduled_tokens:
             self.execute_state = ExecuteModelState([], torch.empty(0), [])
             return
         total = so.total_num_scheduled_tokens
@@ -284,13 +279,9 @@ class ModelRunner:
                 f"{self.max_num_tokens}"
             )
         batch = self.input_batch
-        num_scheduled = np.fromiter(
-            (so.num_scheduled_tokens[r] for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
-        num_computed = batch.num_computed_tokens[batch.rows(req_ids)].astype(np.int64)
-        step = flatten_step(batch, req_ids, num_scheduled, num_computed)
+        step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
         # Every request runs 1 + k tokens (a decode with k drafts): the decode graphs' batch.
-        uniform_decode = bool((num_scheduled == self.uniform_decode_query_len).all())
+        uniform_decode = bool((step.num_scheduled == self.uniform_decode_query_len).all())
         self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
@@ -323,9 +314,8 @@ class ModelRunner:
         if rows.prompt_spans and logits is not None:
             prompt = prompt_logprobs(batch, rows.prompt_spans, logits[rows.num_sampling_rows :])
             logits = logits[: rows.num_sampling_rows]
-        batch.num_computed_tokens[step.rows] = step.seq_lens
         self.execute_state = ExecuteModelState(
-            req_ids=req_ids,
+            req_ids=step.req_ids,
             logits=logits,
             sampling_req_ids=rows.sampling_req_ids,
             runtime_mode=mode.name,
@@ -359,12 +349,9 @@ class ModelRunner:
                 )
             if not logprobs:
                 logprobs = [None] * len(req_ids)
-            for i, (req_id, ids) in enumerate(zip(req_ids, tokens, strict=True)):
-                row = batch.requests[req_id].row
+            for req_id, ids in zip(req_ids, tokens, strict=True):
                 for token in ids:
                     batch.append_token(req_id, token)
-                if state.drafts is not None:  # rejected drafts' KV is not computed
-                    batch.num_computed_tokens[row] -= len(state.drafts[i]) + 1 - len(ids)
             if self.proposer is not None and state.logits is not None:
                 rows = batch.rows(req_ids)
                 drafts = self.proposer.propose(batch.token_ids[rows], batch.num_tokens[rows])

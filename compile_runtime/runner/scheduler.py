@@ -33,7 +33,9 @@ rule. When a step fails anyway, ``abort_requests`` frees the requests' blocks an
 the runner to drop them at the next step, before it takes any new request.
 
 Protocol per step: ``out = schedule()``, the runner executes ``out``, then
-``update_from_output(out, runner_output)``. The runner must drop the state
+``update_from_output(out, runner_output)``. The scheduler keeps the only count of
+each request's computed tokens (accepted drafts in, rejected ones out) and sends
+it with every scheduled request; the runner takes it as given. The runner must drop the state
 of ``out.finished_req_ids`` before adding ``out.scheduled_new_reqs``: a
 request preempted during this schedule() is listed there and may come back
 as new in a later step.

@@ -55,6 +55,14 @@ class SchedulerOutput:
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
 
+    def num_computed_tokens(self) -> dict[str, int]:
+        """Tokens each scheduled request had computed before this step. The scheduler keeps
+        the only count (rejected drafts and preemptions included); the runner keeps none."""
+        counts = {new.req_id: new.num_computed_tokens for new in self.scheduled_new_reqs}
+        cached = self.scheduled_cached_reqs
+        counts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return counts
+
 
 @dataclass
 class ModelRunnerOutput:

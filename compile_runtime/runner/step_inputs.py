@@ -50,10 +50,13 @@ def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
 
 
 def flatten_step(
-    batch: InputBatch, req_ids: list[str], num_scheduled: np.ndarray, num_computed: np.ndarray
+    batch: InputBatch, num_scheduled_tokens: dict[str, int], num_computed_tokens: dict[str, int]
 ) -> StepInputs:
-    """The step's tokens in request order: request i computes ``num_scheduled[i]`` tokens
-    from position ``num_computed[i]`` on."""
+    """The step's tokens in the scheduler's request order: each request computes its
+    ``num_scheduled_tokens`` from position ``num_computed_tokens`` on (the scheduler's count)."""
+    req_ids = list(num_scheduled_tokens)
+    num_scheduled = _counts(num_scheduled_tokens, req_ids)
+    num_computed = _counts(num_computed_tokens, req_ids)
     rows = batch.rows(req_ids)
     cu = np.cumsum(num_scheduled)
     total = int(cu[-1]) if len(cu) else 0
@@ -77,6 +80,10 @@ def flatten_step(
         positions=positions,
         slot_mapping=slots,
     )
+
+
+def _counts(by_req: dict[str, int], req_ids: list[str]) -> np.ndarray:
+    return np.fromiter((by_req[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
 
 class PromptSpan(NamedTuple):
