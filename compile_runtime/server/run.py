@@ -13,7 +13,8 @@ logger = logging.getLogger(__name__)
 def serve(args: argparse.Namespace, llm: LLM) -> int:
     import uvicorn
 
-    from compile_runtime.server.app import Server, build_app
+    from compile_runtime.server.app import build_app
+    from compile_runtime.server.handlers import Server
 
     server = Server(
         llm, model_name=args.served_model_name or args.model, max_waiting=args.max_waiting
