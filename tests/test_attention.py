@@ -427,10 +427,28 @@ def test_layer_with_metadata_needs_a_bound_cache():
             layer(*_qkv(3, 2, 2, 32))
 
 
-def test_layer_names_are_unique_and_backend_is_held():
+def test_layer_names_are_the_prefixes_and_backend_is_held():
     a, b = Attention(2, 32, 0.2, prefix="same"), Attention(2, 32, 0.2, prefix="same")
-    assert a.layer_name != b.layer_name
+    assert a.layer_name == b.layer_name == "same"  # one per model: no process-wide suffix
     assert a.attn_backend is CPUBatchedBackend and a.impl.spec == a.spec
+
+
+def test_a_model_with_two_layers_of_one_name_is_an_error():
+    from compile_runtime.attention.op import DuplicateLayerNameError, attention_layer_table
+
+    model = nn.ModuleList(
+        [Attention(2, 32, 0.2, prefix="dup"), Attention(2, 32, 0.2, prefix="dup")]
+    )
+    with pytest.raises(DuplicateLayerNameError, match=r"'0' and '1'.*both named 'dup'.*prefix"):
+        attention_layer_table(model)
+    assert list(attention_layer_table(nn.ModuleList([model[0]]))) == ["dup"]
+
+
+def test_the_op_outside_a_model_forward_says_what_to_do():
+    q, k, v = _qkv(3, 2, 2, 32)
+    out = torch.empty(3, 64)
+    with pytest.raises(LookupError, match="outside a model's forward"):
+        torch.ops.compile_runtime.attention(q, k, v, out, "nowhere")
 
 
 HIDDEN, HEADS, KV_HEADS, HEAD = 32, 4, 2, 16

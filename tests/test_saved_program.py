@@ -3,7 +3,6 @@ compile, and anything it cannot be trusted for is a miss that traces again."""
 
 from __future__ import annotations
 
-import gc
 import importlib
 import json
 import logging
@@ -38,7 +37,6 @@ def run(model, n: int) -> torch.Tensor:
 
 
 def fresh_model(config):
-    gc.collect()  # a dead model's attention layer names are free again, as in a new process
     torch.manual_seed(0)
     return build_transformer(config, **SHAPE)
 
@@ -58,6 +56,35 @@ def test_warm_start_runs_the_saved_program(tmp_path):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
     record = cr.compiler.decorator.compiled_model(warm)
     assert [p.is_splitting_op for p in record.pieces] == [False, True, False, True, False]
+
+
+def test_a_second_model_alive_beside_the_first_loads_its_program(tmp_path):
+    """Layer names belong to a model: a second instance traces nothing and compiles nothing."""
+    config = cr.CompilationConfig(backend="inductor", cache_dir=str(tmp_path))
+    first = fresh_model(config)
+    expected = run(first, 5)
+    before = counts()
+    second = fresh_model(config)
+    got = run(second, 5)
+    assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    torch.testing.assert_close(run(first, 5), expected, rtol=0, atol=0)  # each its own layers
+
+
+def test_a_second_engine_in_one_process_loads_the_first_ones_cache_entry(model_dirs):
+    model_dir = model_dirs("llama")
+    prompts = ["hello world", "the cat"]
+    params = cr.SamplingParams(temperature=0.0, max_tokens=5)
+    inductor = {"backend": "inductor"}
+    first = cr.LLM(model_dir, inductor, dtype="float32", max_model_len=64)
+    expected = [o.token_ids for o in first.generate(prompts, params, progress=False)]
+    before = counts()
+    second = cr.LLM(model_dir, inductor, dtype="float32", max_model_len=64)
+    assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
+    assert [o.token_ids for o in second.generate(prompts, params, progress=False)] == expected
+    assert [o.token_ids for o in first.generate(prompts, params, progress=False)] == expected
+    second.shutdown()
+    first.shutdown()
 
 
 def test_a_model_attribute_the_trace_bakes_in_changes_the_program_key():

@@ -1,6 +1,6 @@
 """``Attention``: the layer model code calls; the custom op is its body.
 
-``forward`` only allocates the output and calls
+``forward`` only allocates the output and, when traced, calls
 ``torch.ops.compile_runtime.attention``, so Dynamo sees one opaque node (the
 split point) and nothing about caches or metadata. The op calls back into
 ``forward_impl`` here, which reads the step's metadata from the forward
@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 from compile_runtime.attention.dense import dense_causal_attention
-from compile_runtime.attention.op import register_attention_layer
 from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.backends.attention.registry import get_attn_backend
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
@@ -69,7 +68,8 @@ class Attention(nn.Module):
         self.impl = self.attn_backend.make_impl(self.spec)
         # [2, num_blocks, block_size, num_kv_heads, head_size]; see attention/kv_cache.py.
         self.kv_cache: torch.Tensor | None = None
-        self.layer_name = register_attention_layer(self, prefix or "attn")
+        # The op finds the layer by this name in its model's table (attention/op.py).
+        self.layer_name = prefix or "attn"
 
     def extra_repr(self) -> str:
         window = f", sliding_window={self.sliding_window}" if self.sliding_window else ""
@@ -81,7 +81,10 @@ class Attention(nn.Module):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         output = query.new_empty(query.shape[0], self.num_heads * self.head_size)
-        torch.ops.compile_runtime.attention(query, key, value, output, self.layer_name)
+        if torch.compiler.is_compiling():  # the split point Dynamo sees
+            torch.ops.compile_runtime.attention(query, key, value, output, self.layer_name)
+        else:  # eager: the op's body, without its dispatch or the lookup
+            self.forward_impl(query, key, value, output)
         return output
 
     def forward_impl(

@@ -37,6 +37,7 @@ from typing import Any, TypeVar
 import torch
 import torch.fx.experimental._config as fx_config
 
+from compile_runtime.attention.op import running_layers
 from compile_runtime.cache.location import CacheError, cache_root
 from compile_runtime.compiler import graph_compiler as graph_compiler_module
 from compile_runtime.compiler import saved_program
@@ -129,10 +130,11 @@ def compile(
             )
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            compiled = self.__dict__.get("_compile_runtime")
-            if compiled is None:
-                return original_call(self, *args, **kwargs)
-            return compiled(*args, **kwargs)
+            with running_layers(self):  # the attention op finds this model's layers
+                compiled = self.__dict__.get("_compile_runtime")
+                if compiled is None:
+                    return original_call(self, *args, **kwargs)
+                return compiled(*args, **kwargs)
 
         cls.__init__ = __init__
         cls.__call__ = __call__

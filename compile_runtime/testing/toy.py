@@ -6,7 +6,6 @@ import torch
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.attention.op import register_attention_layer
 
 
 class SumAttention(nn.Module):
@@ -14,7 +13,7 @@ class SumAttention(nn.Module):
 
     def __init__(self, prefix: str):
         super().__init__()
-        self.layer_name = register_attention_layer(self, prefix)
+        self.layer_name = prefix
 
     def forward_impl(self, query, key, value, output) -> None:
         output.copy_(query + key + value)

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.attention.op import register_attention_layer
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +40,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, prefix: str):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
-        self.layer_name = register_attention_layer(self, prefix)
+        self.layer_name = prefix
 
     def forward_impl(self, query, key, value, output) -> None:
         n = query.shape[0]

@@ -36,6 +36,7 @@ import torch
 import torch.fx
 from torch.utils._pytree import tree_map_only
 
+from compile_runtime.attention.op import running_layers
 from compile_runtime.compiler.decorator import compiled_model, find_compiled_module, is_traced
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, runtime_size
 from compile_runtime.compiler.split import Piece, is_splitting_node
@@ -73,9 +74,8 @@ def _compiled_module(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _layer_label(layer_name: str) -> str:
-    base = layer_name.split("#")[0]
-    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", base)
-    return f"layer {numbers[0]}" if numbers else base
+    numbers = re.findall(r"(?:^|\.)(\d+)(?=\.|$)", layer_name)
+    return f"layer {numbers[0]}" if numbers else layer_name
 
 
 def _splitting_layer(piece: Piece, splitting_ops: list[str]) -> str:
@@ -306,8 +306,9 @@ def verify_model(
             raise VerifyError("the compiled forward did not call its split graph")
         graph_inputs = captured[-1]
         checker = _PieceChecker(verifier)
-        checker.run(*_clone(graph_inputs))
-        eager_out = _PieceChecker(verifier, eager_only=True).run(*_clone(graph_inputs))
+        with running_layers(module):  # the split graph's attention finds the model's layers
+            checker.run(*_clone(graph_inputs))
+            eager_out = _PieceChecker(verifier, eager_only=True).run(*_clone(graph_inputs))
 
     report = VerifyReport(
         model=type(module).__name__,
