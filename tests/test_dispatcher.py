@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 import compile_runtime as cr
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher, padding_table
+from compile_runtime.cudagraph.dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    is_uniform_decode,
+    padding_table,
+)
 from compile_runtime.planner.sizes import default_capture_sizes
 
 M = cr.CUDAGraphMode
@@ -176,3 +181,9 @@ def test_bad_uniform_decode_query_len():
     d = CudagraphDispatcher(cr.CompilationConfig())
     with pytest.raises(ValueError, match="uniform_decode_query_len"):
         d.initialize_keys(PW, 0)
+
+
+def test_uniform_decode_is_every_request_at_the_decode_query_length():
+    assert is_uniform_decode([1, 1, 1]) and is_uniform_decode([4, 4], query_len=4)
+    assert not is_uniform_decode([1, 2]) and not is_uniform_decode([1, 1], query_len=4)
+    assert not is_uniform_decode([])  # no request: nothing to decode

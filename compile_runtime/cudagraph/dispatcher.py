@@ -9,8 +9,10 @@ graph wrappers then trust what the forward context says.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
 from compile_runtime.planner.capture_sizes import resolve_capture_sizes
@@ -18,6 +20,17 @@ from compile_runtime.planner.capture_sizes import resolve_capture_sizes
 logger = logging.getLogger(__name__)
 
 NONE, PIECEWISE, FULL = CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL
+
+
+def is_uniform_decode(query_lens: Sequence[int] | np.ndarray, query_len: int = 1) -> bool:
+    """Whether a batch is a uniform decode: at least one request, each running exactly
+    ``query_len`` tokens (one decode token and ``query_len - 1`` drafts).
+
+    The one definition: the runner asks it of every step (the decode graphs are captured
+    for these batches, ``BatchDescriptor.uniform``), attention metadata of one-token decodes.
+    """
+    lens = np.asarray(query_lens)
+    return lens.size > 0 and bool((lens == query_len).all())
 
 
 @dataclass(frozen=True)
@@ -30,7 +43,7 @@ class BatchDescriptor:
 
     num_tokens: int
     num_reqs: int | None = None  # None: any number of requests
-    uniform: bool = False  # every request has the same query length
+    uniform: bool = False  # a uniform decode batch (is_uniform_decode): the decode graphs
 
     def relaxed(self) -> BatchDescriptor:
         """The mixed-batch form: same token count, any requests, any query lengths."""

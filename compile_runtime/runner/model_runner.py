@@ -30,7 +30,11 @@ from compile_runtime.compiler.decorator import attention_split, backend_seconds
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.cudagraph.dispatcher import (
+    BatchDescriptor,
+    CudagraphDispatcher,
+    is_uniform_decode,
+)
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, wrap_full_model
 from compile_runtime.device import resolve_device
 from compile_runtime.distributed import get_tp_rank, get_tp_world_size
@@ -280,8 +284,7 @@ class ModelRunner:
             )
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
-        # Every request runs 1 + k tokens (a decode with k drafts): the decode graphs' batch.
-        uniform_decode = bool((step.num_scheduled == self.uniform_decode_query_len).all())
+        uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
         self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
