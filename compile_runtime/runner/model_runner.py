@@ -25,8 +25,7 @@ import numpy as np
 import torch
 
 from compile_runtime.attention.layer import attention_layers
-from compile_runtime.backends.attention.registry import min_cg_support
-from compile_runtime.compiler.decorator import attention_split, backend_seconds
+from compile_runtime.compiler.decorator import backend_seconds
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
@@ -35,7 +34,7 @@ from compile_runtime.cudagraph.dispatcher import (
     CudagraphDispatcher,
     is_uniform_decode,
 )
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, wrap_full_model
+from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
 from compile_runtime.device import resolve_device
 from compile_runtime.distributed import get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
@@ -44,6 +43,7 @@ from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
 from compile_runtime.runner.cpu_threads import resolve_num_threads
+from compile_runtime.runner.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.ngram_proposer import NgramProposer
@@ -116,7 +116,6 @@ class ModelRunner:
         self.layers = attention_layers(self.model)
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
-        backends = {layer.attn_backend for layer in self.layers}
         c = self.config
         spec = c.speculative_config
         self.proposer = (
@@ -129,11 +128,6 @@ class ModelRunner:
         # A decode step runs 1 + k tokens per request when every request has k drafts: that
         # is the uniform decode batch the decode mode's graphs are captured for.
         self.uniform_decode_query_len = 1 + (spec.num_speculative_tokens if spec else 0)
-        self.resolved = compilation_config.resolve(
-            min_cg_support(backends),
-            uniform_decode_query_len=self.uniform_decode_query_len,
-            cuda_available=self.device.type == "cuda",
-        )
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
@@ -145,13 +139,12 @@ class ModelRunner:
         self.metadata_groups = metadata_groups(
             self.layers, c.block_size, c.max_num_seqs, self.device
         )
+        # Its capture sizes now (a bad "auto:FILE" fails before the compile); its keys once the
+        # trace has shown the split (cudagraph_plan.py).
         self.dispatcher = CudagraphDispatcher(
             compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
         )
-        self.dispatcher.initialize_keys(self.resolved.cudagraph_mode, self.uniform_decode_query_len)
-        self.forward_model = self.model.model
-        if self.resolved.cudagraph_mode.has_full_cudagraphs():
-            self.forward_model = wrap_full_model(self.forward_model, compilation_config)
+        self.cudagraph_plan: CudaGraphPlan | None = None
         self.sampler = Sampler()
         self.workload = Workload()
         self.execute_state: ExecuteModelState | None = None
@@ -161,27 +154,26 @@ class ModelRunner:
     # ---- start-up ---------------------------------------------------------
 
     def initialize(self) -> None:
-        """Compile (first trace at the largest size), size and bind the KV cache, capture graphs."""
+        """Compile (first trace at the largest size), plan the CUDA graphs, size and bind the KV
+        cache, capture the graphs."""
         start = time.perf_counter()
         programs = compilation_counter.num_programs_loaded
-        with torch.inference_mode():
-            self._dummy_forward(self.max_num_tokens)
+        n = self.max_num_tokens
+        # The bare compiled model (graphs are planned after it); attention runs dense, no cache.
+        with torch.inference_mode(), set_forward_context(None, num_tokens=n):
+            self.model.model(self.input_ids[:n], self.positions[:n])
         times = self.startup
         times.first_forward = time.perf_counter() - start
         times.saved_program = compilation_counter.num_programs_loaded > programs
         times.compile = backend_seconds(self.model)
-        if self.resolved.cudagraph_mode.has_piecewise_cudagraphs() and not attention_split(
-            self.model
-        ):  # the split took no attention out (or nothing was compiled): no piecewise graphs
-            self.resolved = self.compilation_config.resolve(
-                min_cg_support({layer.attn_backend for layer in self.layers}),
-                attention_split=False,
-                uniform_decode_query_len=self.uniform_decode_query_len,
-                cuda_available=self.device.type == "cuda",
-            )
-            self.dispatcher.initialize_keys(
-                self.resolved.cudagraph_mode, self.uniform_decode_query_len
-            )
+        plan = self.cudagraph_plan = plan_cudagraphs(
+            self.model,
+            self.layers,
+            self.compilation_config,
+            self.dispatcher,
+            uniform_decode_query_len=self.uniform_decode_query_len,
+            device=self.device,
+        )
         start = time.perf_counter()
         c = self.config
         self.num_blocks = times.num_blocks = num_kv_blocks(
@@ -196,14 +188,9 @@ class ModelRunner:
             start = time.perf_counter()
             with torch.inference_mode():
                 self.capture_report = capture(
-                    self.forward_model, self._capture_inputs, self.dispatcher
+                    plan.forward_model, self._capture_inputs, self.dispatcher
                 )
             times.graphs = time.perf_counter() - start
-
-    def _dummy_forward(self, num_tokens: int) -> torch.Tensor:
-        """A forward without metadata: attention runs dense over the tokens, no cache."""
-        with set_forward_context(None, num_tokens=num_tokens):
-            return self.forward_model(self.input_ids[:num_tokens], self.positions[:num_tokens])
 
     def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
         """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
@@ -243,8 +230,9 @@ class ModelRunner:
             layer.kv_cache = None
         self.num_blocks = 0
         self.execute_state = None
-        if isinstance(self.forward_model, CUDAGraphWrapper):
-            self.forward_model.entries.clear()
+        forward = self.cudagraph_plan and self.cudagraph_plan.forward_model
+        if isinstance(forward, CUDAGraphWrapper):
+            forward.entries.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -308,7 +296,8 @@ class ModelRunner:
         with set_forward_context(
             metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            hidden = self.forward_model(self.input_ids[:padded], self.positions[:padded])
+            forward = self.cudagraph_plan.forward_model
+            hidden = forward(self.input_ids[:padded], self.positions[:padded])
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.

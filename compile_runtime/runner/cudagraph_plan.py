@@ -1,0 +1,62 @@
+"""The runner's CUDA graphs, decided once: after the first forward, when the split is known.
+
+The mode is ``CompilationConfig.resolve`` against the attention backends' support
+and what the trace's split really produced (a ``splitting_ops`` entry can match
+nothing: then no piecewise graph may run, since it would capture attention). That
+mode gives the dispatcher its keys and padding tables, and decides whether the whole
+model is wrapped for FULL graphs. Before the plan exists the runner calls the bare
+compiled model, outside any graph.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from compile_runtime.backends.attention.registry import min_cg_support
+from compile_runtime.compiler.decorator import attention_split
+from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+from compile_runtime.cudagraph.wrapper import wrap_full_model
+
+if TYPE_CHECKING:
+    from compile_runtime.attention.layer import Attention
+    from compile_runtime.models.interface import CausalLanguageModel
+
+
+@dataclass(frozen=True)
+class CudaGraphPlan:
+    modes: ResolvedModes
+    dispatcher: CudagraphDispatcher  # holds the keys and padding tables of ``modes``
+    forward_model: Callable[..., Any]  # what steps and captures call: FULL-wrapped or bare
+
+    @property
+    def cudagraph_mode(self) -> CUDAGraphMode:
+        return self.modes.cudagraph_mode
+
+
+def plan_cudagraphs(
+    model: CausalLanguageModel,
+    layers: Sequence[Attention],
+    config: CompilationConfig,
+    dispatcher: CudagraphDispatcher,
+    *,
+    uniform_decode_query_len: int,
+    device: torch.device,
+) -> CudaGraphPlan:
+    """The plan for ``model`` once traced; ``dispatcher`` (its capture sizes resolved when it
+    was built) gets the keys of the resolved mode."""
+    modes = config.resolve(
+        min_cg_support({layer.attn_backend for layer in layers}),
+        attention_split=bool(attention_split(model)),  # None: nothing traced, nothing split
+        uniform_decode_query_len=uniform_decode_query_len,
+        cuda_available=device.type == "cuda",
+    )
+    dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len)
+    forward_model = model.model
+    if modes.cudagraph_mode.has_full_cudagraphs():
+        forward_model = wrap_full_model(forward_model, config)
+    return CudaGraphPlan(modes=modes, dispatcher=dispatcher, forward_model=forward_model)
