@@ -36,3 +36,31 @@ def test_explicit_choices_win(monkeypatch):
         cpu_threads.resolve_num_threads(0)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert cpu_threads.resolve_num_threads(None) == torch.get_num_threads()
+
+
+def test_the_engine_chooses_once_and_only_on_a_cpu(monkeypatch):
+    from compile_runtime.config import RunnerConfig
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 8)
+    monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 2)
+    config = RunnerConfig()
+    cpu_threads.choose_num_threads(config, "cpu", tp_size=2)
+    assert config.num_threads == 3
+    monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 0)  # a worker's view: unchanged
+    cpu_threads.choose_num_threads(config, "cpu", tp_size=2)
+    assert config.num_threads == 3
+    on_gpu = RunnerConfig()
+    cpu_threads.choose_num_threads(on_gpu, "cuda", tp_size=1)
+    assert on_gpu.num_threads is None
+
+
+def test_a_runner_process_sets_the_chosen_count():
+    from compile_runtime.config import RunnerConfig
+
+    before = torch.get_num_threads()
+    try:
+        cpu_threads.set_num_threads(RunnerConfig(num_threads=1), torch.device("cpu"), 1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

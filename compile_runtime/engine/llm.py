@@ -43,7 +43,6 @@ from compile_runtime.engine.core import EngineCore, StepError
 from compile_runtime.executor import Executor, make_executor
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
-from compile_runtime.runner.cpu_threads import resolve_num_threads
 from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
@@ -150,11 +149,7 @@ class LLM:
             device=device,
             **options,
         )
-        # Chosen here, once (after the checks above), not by each worker: starting workers
-        # would count each other as busy cores; and sized once, so every rank agrees.
-        runner_config.num_threads = _cpu_threads(
-            engine_config.device, runner_config.num_threads, engine_config.tensor_parallel_size
-        )
+        # Sized once, before any worker starts, so every rank agrees.
         size_runner_config(
             runner_config, hf_config, self.dtype, device, engine_config.tensor_parallel_size
         )
@@ -359,11 +354,6 @@ class LLM:
             else:
                 out.append([int(t) for t in p])
         return out
-
-
-def _cpu_threads(device: str, requested: int | None, tp_size: int) -> int | None:
-    on_cpu = torch.device(device).type == "cpu"
-    return resolve_num_threads(requested, tp_size) if on_cpu else requested
 
 
 def _load_tokenizer(model_dir: str):

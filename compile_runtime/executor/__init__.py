@@ -1,7 +1,8 @@
 """Executors: how the engine reaches the model runner on every rank.
 
 ``base.py`` is the interface; this file is the factory: ``make_executor`` checks the
-configuration once, before any worker starts, then starts the executor the backend names.
+configuration once, before any worker starts, chooses the CPU thread count every rank
+uses (runner/cpu_threads.py), then starts the executor the backend names.
 """
 
 from __future__ import annotations
@@ -12,12 +13,14 @@ from typing import Any
 import torch
 
 from compile_runtime.config import ConfigError, EngineConfig
+from compile_runtime.device import default_device
 from compile_runtime.distributed.sharding import TensorParallelConfigError, check_tensor_parallel
 from compile_runtime.executor.base import Executor, ExecutorError, WorkerDiedError, WorkerInfo
 from compile_runtime.executor.multiproc import MultiprocExecutor
 from compile_runtime.executor.ray_executor import RayExecutor, import_ray
 from compile_runtime.executor.uniproc import UniProcExecutor
 from compile_runtime.models.llama import ARCHITECTURES
+from compile_runtime.runner.cpu_threads import choose_num_threads
 
 BACKENDS = ("uni", "mp", "ray")
 
@@ -74,6 +77,9 @@ def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
     if cls.local_ranks:
         check_device_available(config)
     check_model(config)
+    choose_num_threads(
+        config.runner_config, config.device or default_device(), config.tensor_parallel_size
+    )
     if not config.worker_env:
         config.worker_env = {
             k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)

@@ -28,7 +28,7 @@ from compile_runtime.executor.base import (
     ExecutorError,
     WorkerDiedError,
 )
-from compile_runtime.executor.worker import Worker, error_summary, limit_threads
+from compile_runtime.executor.worker import Worker, error_summary
 from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,6 @@ class RayWorker:
     def start(self, init_method: str):
         # Ray makes CUDA_VISIBLE_DEVICES hold this actor's GPU only: it is cuda:0 here.
         self.worker = Worker(self.config, self.rank, self.world_size, init_method, local_rank=0)
-        if self.worker.device().startswith("cpu"):
-            limit_threads(self.world_size)
         return self.worker.start()
 
     def call(self, method: str, *args: Any) -> Any:

@@ -140,15 +140,6 @@ def error_summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def limit_threads(world_size: int) -> None:
-    """Share this machine's cores between the ranks on it (CPU runs only)."""
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, cores // world_size))
-
-
 def _die_with_parent() -> None:
     """Linux: the kernel kills this process when the driver dies, so no worker is orphaned."""
     if not sys.platform.startswith("linux"):
@@ -174,8 +165,6 @@ def worker_main(
         level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
     worker = Worker(config, rank, world_size, init_method)
-    if torch.device(worker.device()).type == "cpu":
-        limit_threads(world_size)
     try:
         start = time.perf_counter()
         info = worker.start()

@@ -7,11 +7,14 @@ it: on 2 cores with both busy, a decode step got about 4x slower with 2
 threads (up to 100x seen), but only 1.3-1.7x slower with 1 thread
 (benchmarks/vs_transformers.py --cotenancy). So the default counts the cores
 this process may use, subtracts those other processes keep busy right now,
-and splits the rest between tensor-parallel ranks. Inductor bakes the count
-into its compiled kernels, so it is fixed before the first compile.
+and splits the rest between tensor-parallel ranks.
 
-``LLM(num_threads=N)`` or ``OMP_NUM_THREADS`` overrides it. The runner sets
-the count for its whole process (``torch.set_num_threads``).
+``LLM(num_threads=N)`` or ``OMP_NUM_THREADS`` overrides it. This file is the
+one owner of the count: ``choose_num_threads`` decides it once per engine, in
+the driver before any worker starts (starting workers would count each other
+as busy cores), into ``RunnerConfig.num_threads``, so every rank gets the same;
+``set_num_threads`` sets it in each process that runs a runner, before the
+first compile (a runner built directly, with no count chosen, decides it there).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import os
 import time
 
 import torch
+
+from compile_runtime.config import RunnerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +90,16 @@ def resolve_num_threads(requested: int | None, tp_size: int = 1) -> int:
     if requested < 1:
         raise ValueError(f"num_threads must be at least 1, got {requested}")
     return requested
+
+
+def choose_num_threads(config: RunnerConfig, device: torch.device | str, tp_size: int) -> None:
+    """Fill ``config.num_threads`` for a CPU engine, in place (an explicit count is checked)."""
+    if torch.device(device).type == "cpu":
+        config.num_threads = resolve_num_threads(config.num_threads, tp_size)
+
+
+def set_num_threads(config: RunnerConfig, device: torch.device, tp_size: int) -> None:
+    """Set this process's count to the engine's, on a CPU (choosing it if none was chosen)."""
+    if device.type == "cpu":
+        choose_num_threads(config, device, tp_size)
+        torch.set_num_threads(config.num_threads)

@@ -42,7 +42,7 @@ from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
-from compile_runtime.runner.cpu_threads import resolve_num_threads
+from compile_runtime.runner.cpu_threads import set_num_threads
 from compile_runtime.runner.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.kv_sizing import size_runner_config
@@ -94,10 +94,7 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
-        self.num_threads = torch.get_num_threads()
-        if self.device.type == "cpu":  # before compiling: Inductor bakes the count in
-            self.num_threads = resolve_num_threads(self.config.num_threads, self.tp_size)
-            torch.set_num_threads(self.num_threads)
+        set_num_threads(self.config, self.device, self.tp_size)  # before the first compile
         if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._allocated_at_start = allocated_bytes(self.device)
