@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 from compile_runtime.attention.layer import Attention
-from compile_runtime.compiler.decorator import (
-    GraphBreakError,
-    TracedArgumentError,
-    compile,
-    ignore_compile,
-)
+from compile_runtime.compiler.compiled_forward import GraphBreakError, TracedArgumentError
+from compile_runtime.compiler.decorator import compile, ignore_compile
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import (
     AttentionCGSupport,

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import compile_runtime as cr
-from compile_runtime.compiler.decorator import TracedArgumentError, attention_split, compiled_model
+from compile_runtime.compiler.compiled_forward import TracedArgumentError
+from compile_runtime.compiler.decorator import attention_split, compiled_model
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, use_graph_factory

@@ -176,7 +176,7 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     import torch
 
     from compile_runtime.cache.key import compute_key
-    from compile_runtime.compiler.graph_compiler import key_only_tracing
+    from compile_runtime.compiler.decorator import trace_key_factors
     from compile_runtime.config import parse_config
     from compile_runtime.models.gguf import is_gguf, model_directory
     from compile_runtime.models.registry import load_model
@@ -186,9 +186,9 @@ def _factors_for_model(model_dir: str, config_json: str | None) -> tuple[str, di
     model_dir = model_directory(model_dir)
     config = parse_config(config_json)
     model = load_model(model_dir, config)
-    with key_only_tracing() as seen, torch.no_grad():
+    with torch.no_grad():
         body = getattr(model, "model", model)
-        body(torch.zeros(4, dtype=torch.long), torch.arange(4))
+        seen = trace_key_factors(body, torch.zeros(4, dtype=torch.long), torch.arange(4))
     if not seen:
         raise manage.CacheError(
             f"the config compiles nothing (mode {config.mode.name}), so it never uses the cache"

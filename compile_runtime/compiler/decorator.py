@@ -26,41 +26,25 @@ from __future__ import annotations
 
 import functools
 import inspect
-import logging
-import sys
-import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 from compile_runtime.attention.op import running_layers
-from compile_runtime.cache.location import CacheError, cache_root
-from compile_runtime.compiler import graph_compiler as graph_compiler_module
-from compile_runtime.compiler import saved_program
-from compile_runtime.compiler.graph_compiler import CompileResult, GraphCompiler
+from compile_runtime.compiler.compiled_forward import CompiledForward
+from compile_runtime.compiler.graph_compiler import GraphCompiler
+from compile_runtime.compiler.piece_store import CompileResult
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
-from compile_runtime.compiler.split import Piece, SplittingOpError
+from compile_runtime.compiler.split import Piece
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
-from compile_runtime.counters import compilation_counter
 from compile_runtime.passes.manager import PassManager
-
-logger = logging.getLogger(__name__)
 
 M = TypeVar("M", bound=type)
 
 IGNORE_ATTR = "_compile_runtime_ignore"
-
-
-class GraphBreakError(RuntimeError):
-    """The model's forward cannot be traced as one graph."""
-
-
-class TracedArgumentError(TypeError):
-    """A call passes None where the trace saw a tensor, or the reverse."""
 
 
 def ignore_compile(cls: M) -> M:
@@ -184,15 +168,38 @@ def is_traced(module: torch.nn.Module) -> bool:
     return bool(getattr(module.__dict__.get("_compile_runtime"), "traced", False))
 
 
-def _graph_compilers(model: torch.nn.Module) -> list[GraphCompiler]:
-    """The graph compilers of ``model``'s traced (or program-loaded) compiled forwards."""
+def _compiled_forwards(model: torch.nn.Module) -> list[CompiledForward]:
+    """The compiled forwards in ``model`` that run our graph compiler."""
     return [
-        compiled.graph_compiler
+        compiled
         for module in model.modules()
         if (compiled := module.__dict__.get("_compile_runtime")) is not None
         and getattr(compiled, "graph_compiler", None) is not None
-        and compiled.graph_compiler.split_gm is not None
     ]
+
+
+def _graph_compilers(model: torch.nn.Module) -> list[GraphCompiler]:
+    """The graph compilers of ``model``'s traced (or program-loaded) compiled forwards."""
+    return [
+        c.graph_compiler for c in _compiled_forwards(model) if c.graph_compiler.split_gm is not None
+    ]
+
+
+def trace_key_factors(model: torch.nn.Module, *args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+    """Call ``model`` once to get the cache key factors of its compiled forwards, compiling
+    nothing (their graphs run eager): ``compile-runtime cache explain --model``."""
+    forwards = [c for c in _compiled_forwards(model) if not c.traced]
+    for compiled in forwards:
+        compiled.graph_compiler.key_only = True
+    model(*args, **kwargs)
+    return [c.graph_compiler.key_factors for c in forwards if c.graph_compiler.key_factors]
+
+
+def trace_at_first_call(model: torch.nn.Module) -> None:
+    """Make ``model``'s compiled forwards trace at their first call, loading no saved
+    program: for what walks the FX split graph (``verify``), which a program does without."""
+    for compiled in _compiled_forwards(model):
+        compiled.load_program = False
 
 
 def backend_seconds(model: torch.nn.Module) -> float:
@@ -209,211 +216,3 @@ def attention_split(model: torch.nn.Module) -> bool | None:
     """
     splits = [any(p.is_splitting_op for p in c.result.pieces) for c in _graph_compilers(model)]
     return any(splits) if splits else None
-
-
-def _private_forward(model: torch.nn.Module) -> Callable[..., Any]:
-    """``model.forward`` bound over a private copy of its code object.
-
-    Dynamo keeps its cache on the code object. Sharing one across instances
-    would pile every instance's entry on one list (and hit the recompile
-    limit after eight models of a class); a copy gives each instance a cache
-    of exactly one entry that dies with it.
-    """
-    fn = type(model).forward
-    copy = types.FunctionType(
-        fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    return types.MethodType(copy, model)
-
-
-class CompiledForward:
-    """The compiled forward of one model instance."""
-
-    def __init__(self, model: torch.nn.Module, config: CompilationConfig, dims: dict[str, Any]):
-        compilation_counter.num_models_seen += 1
-        self.config = config
-        self.dims = dims
-        self.signature = inspect.signature(model.forward)
-        self.model_name = type(model).__name__
-        self.traced = False
-        self.direct: Callable[..., Any] | None = None  # Dynamo's bytecode, after the trace
-        # (name, position, default, was None at the trace) of every argument that was None
-        # or a tensor at the trace: the trace took its None-or-not branch for good.
-        self.none_pattern: tuple[tuple[str, int, Any, bool], ...] = ()
-        if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
-            self.graph_compiler = None
-            self.compiled = torch.compile(model.forward, backend=config.backend)
-        else:
-            self.graph_compiler = GraphCompiler(config, model_tag=self.model_name)
-            self.forward = _private_forward(model)
-            self.compiled = torch.compile(
-                self.forward,
-                backend=self.graph_compiler,
-                fullgraph=True,
-                dynamic=False,
-                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
-            )
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.graph_compiler is None:  # stock torch.compile: Dynamo decides
-            return self.compiled(*args, **kwargs)
-        if self.direct is None and not self.traced:
-            return self._first_call(*args, **kwargs)
-        num_args = len(args)
-        for name, position, default, was_none in self.none_pattern:
-            value = args[position] if position < num_args else kwargs.get(name, default)
-            if (value is None) is not was_none:
-                self._raise_none_pattern_changed(args, kwargs)
-        if self.direct is not None:
-            return self.direct(*args, **kwargs)
-        with torch.compiler.set_stance("fail_on_recompile"):
-            return self.compiled(*args, **kwargs)
-
-    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
-        bound = self.signature.bind(*args, **kwargs)
-        self.none_pattern = self._record_none_pattern(bound)
-        program = self._program_factors(bound.arguments)
-        if program is not None and saved_program.loading_allowed() and self._load_program(*program):
-            return self.direct(*args, **kwargs)
-        self.graph_compiler.want_program = program is not None
-        for name, dims in self.dims.items():
-            value = bound.arguments.get(name)
-            if isinstance(value, torch.Tensor):
-                for dim in [dims] if isinstance(dims, int) else dims:
-                    torch._dynamo.mark_dynamic(value, dim)
-        hook = torch._dynamo.convert_frame.register_bytecode_hook(self._keep_bytecode)
-        try:
-            # Sizes 0 and 1 would otherwise be specialised at the first trace.
-            with fx_config.patch(backed_size_oblivious=True):
-                out = self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
-            raise GraphBreakError(
-                f"{self.model_name}.forward cannot be traced as one graph, which "
-                f"CompilationMode.{self.config.mode.name} needs. Dynamo stopped at: {e}\n"
-                "Move the offending code out of forward, make it a custom op, or run with "
-                "CompilationMode.NONE / STOCK_TORCH_COMPILE."
-            ) from None
-        except torch._dynamo.exc.BackendCompilerFailed as e:
-            if isinstance(e.inner_exception, (SplittingOpError, CacheError)):  # say only that
-                raise e.inner_exception from None
-            raise
-        finally:
-            hook.remove()
-        self.traced = True
-        if program is not None and self.graph_compiler.program_draft is not None:
-            self._save_program(*program, out)
-        return out
-
-    # ---- the saved program: a warm start that neither traces nor compiles ---------------------
-
-    def _program_factors(self, arguments: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
-        """(key, factors) of this call's program, or None where programs do not apply."""
-        compiler = self.graph_compiler
-        if (
-            self.config.disable_cache
-            or not compiler.adaptor.can_save
-            or graph_compiler_module.is_key_only_tracing()
-        ):
-            return None
-        device = next((v.device for v in arguments.values() if isinstance(v, torch.Tensor)), None)
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        try:
-            factors = saved_program.program_factors(
-                self.forward.__self__,
-                self.config,
-                arguments,
-                self.dims,
-                pass_uuid=compiler.pass_manager.uuid(),
-                device=device,
-                world_size=torch.distributed.get_world_size() if distributed else 1,
-            )
-        except saved_program.NotSaveable as e:
-            logger.info("%s: no saved program (%s); it traces at every start", self.model_name, e)
-            return None
-        return saved_program.program_key(factors), factors
-
-    def _rank(self) -> int:
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        return torch.distributed.get_rank() if distributed else 0
-
-    def _load_program(self, key: str, factors: dict[str, Any]) -> bool:
-        root = cache_root(self.config.cache_dir)
-        program = saved_program.find(root, key, self._rank(), self.model_name)
-        if program is None or not self.graph_compiler.load_program(program):
-            return False
-        model = self.forward.__self__
-        self_name = next(iter(inspect.signature(type(model).forward).parameters))
-        gather = saved_program.make_gather(program.record["inputs"], self_name, model)
-        run_graph = self.graph_compiler.split_gm.forward  # the saved program's split graph
-        names = list(self.signature.parameters)
-        signature = self.signature
-        single = program.record["output"] == "single"
-
-        def run_program(*args: Any, **kwargs: Any) -> Any:
-            if not kwargs and len(args) == len(names):
-                arguments = dict(zip(names, args, strict=True))
-            else:
-                bound = signature.bind(*args, **kwargs)
-                bound.apply_defaults()
-                arguments = bound.arguments
-            out = run_graph(*gather(arguments))
-            return out[0] if single else tuple(out)
-
-        self.direct = run_program
-        self.traced = True
-        return True
-
-    def _save_program(self, key: str, factors: dict[str, Any], out: Any) -> None:
-        try:
-            saved_program.save(
-                self.graph_compiler.program_draft, key, factors, out, self.none_pattern
-            )
-        except saved_program.NotSaveable as e:
-            logger.info("%s: no saved program (%s); it traces at every start", self.model_name, e)
-        except OSError as e:
-            logger.warning("%s: could not save the traced program (%s)", self.model_name, e)
-
-    def _record_none_pattern(
-        self, bound: inspect.BoundArguments
-    ) -> tuple[tuple[str, int, Any, bool], ...]:
-        """Which arguments were None and which were tensors at the trace (checked every call)."""
-        bound.apply_defaults()
-        pattern = []
-        for position, (name, param) in enumerate(self.signature.parameters.items()):
-            value = bound.arguments.get(name)
-            if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or not (
-                value is None or isinstance(value, torch.Tensor)
-            ):
-                continue
-            if param.kind == param.KEYWORD_ONLY:
-                position = sys.maxsize  # never in args
-            pattern.append((name, position, param.default, value is None))
-        return tuple(pattern)
-
-    def _raise_none_pattern_changed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        bound = self.signature.bind(*args, **kwargs)  # a missing argument: Python's TypeError
-        bound.apply_defaults()
-        for name, _, _, was_none in self.none_pattern:
-            value = bound.arguments[name]
-            if (value is None) is not was_none:
-                then = "None" if was_none else "a tensor"
-                now = "None" if value is None else f"a {type(value).__name__}"
-                raise TracedArgumentError(
-                    f"{self.model_name}.forward was traced with {name} as {then}, but this call "
-                    f"passes {now}. The one trace serves every call, so whether {name} is None "
-                    f"was fixed at the trace. Pass {name} as {then} on every call to this model "
-                    "instance; for the other case build a second instance (it traces its own), "
-                    "or run with CompilationMode.NONE / STOCK_TORCH_COMPILE."
-                )
-
-    def _keep_bytecode(self, code: types.CodeType, new_code: types.CodeType) -> None:
-        """Bytecode hook: keep what Dynamo made of our private forward as a callable."""
-        fn = self.forward.__func__
-        if code is fn.__code__:
-            direct = types.FunctionType(
-                new_code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-            )
-            direct.__kwdefaults__ = fn.__kwdefaults__
-            self.direct = types.MethodType(direct, self.forward.__self__)

@@ -25,7 +25,6 @@ arguments are not saved, and trace at every start as before.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
@@ -39,7 +38,7 @@ import pickle
 import re
 import sys
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -251,7 +250,7 @@ class ProgramDraft:
     code: ProgramCode
     inputs: list[str]  # the source expression of every graph input
     num_outputs: int
-    pieces: list[dict[str, Any]]  # the piece table (see GraphCompiler._piece_table)
+    pieces: list[dict[str, Any]]  # the piece table (program.py: DraftBuilder.finish)
     records: list[dict[str, Any]]  # PieceRecord fields, for CompileResult
     entry_dir: str
     entry_factors: dict[str, Any]
@@ -310,23 +309,6 @@ def save(
 
 
 # ---- what the warm start loads -------------------------------------------------------------
-
-_tracing_forced: list[bool] = []
-
-
-@contextlib.contextmanager
-def always_trace() -> Iterator[None]:
-    """Models first called inside trace (and save their program), loading none: what needs
-    the FX split graph at run time (``verify``) uses it."""
-    _tracing_forced.append(True)
-    try:
-        yield
-    finally:
-        _tracing_forced.pop()
-
-
-def loading_allowed() -> bool:
-    return not _tracing_forced
 
 
 @dataclasses.dataclass

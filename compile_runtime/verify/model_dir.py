@@ -8,7 +8,6 @@ import os
 
 import torch
 
-from compile_runtime.compiler.saved_program import always_trace
 from compile_runtime.config import CompilationConfig, parse_config
 from compile_runtime.device import resolve_device
 from compile_runtime.models.registry import load_model
@@ -48,7 +47,6 @@ def check_model_dir(
     generator = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, vocab, (num_tokens,), generator=generator).to(device)
     positions = torch.arange(num_tokens, device=device)
-    with always_trace():  # the verifier walks the FX split graph, which a saved program skips
-        return verify_model(
-            model.model, input_ids, positions, atol=atol, rtol=rtol, check_graphs=check_graphs
-        )
+    return verify_model(
+        model.model, input_ids, positions, atol=atol, rtol=rtol, check_graphs=check_graphs
+    )

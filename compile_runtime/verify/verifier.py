@@ -37,7 +37,12 @@ import torch.fx
 from torch.utils._pytree import tree_map_only
 
 from compile_runtime.attention.op import running_layers
-from compile_runtime.compiler.decorator import compiled_model, find_compiled_module, is_traced
+from compile_runtime.compiler.decorator import (
+    compiled_model,
+    find_compiled_module,
+    is_traced,
+    trace_at_first_call,
+)
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, runtime_size
 from compile_runtime.compiler.split import Piece, is_splitting_node
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
@@ -171,8 +176,8 @@ class _Verifier:
         if record is not None and not isinstance(record.split_gm, torch.fx.GraphModule):
             raise VerifyError(
                 f"{type(module).__name__} was started from a saved program, which runs without "
-                "its FX graph; verify a model first called inside "
-                "compile_runtime.compiler.saved_program.always_trace() (verify_model_dir does)"
+                "its FX graph; verify a model before its first call (verify_model traces it), "
+                "or call compile_runtime.compiler.decorator.trace_at_first_call(model) first"
             )
         if record is None:
             raise VerifyError(
@@ -293,6 +298,7 @@ def verify_model(
     captured: list[tuple] = []
     with torch.no_grad(), _step_context(num_tokens):
         if not is_traced(module):
+            trace_at_first_call(module)  # the FX split graph is needed, not a saved program
             module(*args, **kwargs)  # the first call traces and compiles
         verifier = _Verifier(module, atol, rtol, check_graphs)
         hook = verifier.split_gm.register_forward_pre_hook(
