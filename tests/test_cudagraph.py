@@ -10,7 +10,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import compile_runtime as cr
-from compile_runtime.compiler.decorator import compiled_model
+from compile_runtime.compiler.decorator import compiled_model, set_graph_factory
 from compile_runtime.cudagraph.capture import CaptureInputs, capture
 from compile_runtime.cudagraph.wrapper import (
     CUDAGraphAddressError,
@@ -19,7 +19,6 @@ from compile_runtime.cudagraph.wrapper import (
     cudagraph_capturing_enabled,
     is_cudagraph_capturing_enabled,
     piecewise_cudagraphs_enabled,
-    use_graph_factory,
     weak_ref_tensor,
     wrap_full_model,
 )
@@ -87,9 +86,7 @@ class Counting:
 
 @pytest.fixture
 def factory():
-    f = RecordingFactory()
-    with use_graph_factory(f):
-        yield f
+    return RecordingFactory()
 
 
 def step(mode, desc):
@@ -98,7 +95,7 @@ def step(mode, desc):
 
 def test_capture_once_then_replay_without_calling_the_runnable(factory):
     fn = Counting()
-    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE, num_warmups=2)
+    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE, num_warmups=2, graph_factory=factory)
     x = torch.ones(4)
     with counter.expect(num_cudagraph_captured=1), cudagraph_capturing_enabled():
         with step(M.PIECEWISE, BD(4)):
@@ -113,7 +110,7 @@ def test_capture_once_then_replay_without_calling_the_runnable(factory):
 
 
 def test_each_descriptor_gets_its_own_graph(factory):
-    wrapper = CUDAGraphWrapper(Counting(), M.FULL, num_warmups=0)
+    wrapper = CUDAGraphWrapper(Counting(), M.FULL, num_warmups=0, graph_factory=factory)
     with cudagraph_capturing_enabled(), counter.expect(num_cudagraph_captured=2):
         for desc in [BD(4), BD(4, 4, uniform=True), BD(4)]:
             with step(M.FULL, desc):
@@ -125,7 +122,7 @@ def test_each_descriptor_gets_its_own_graph(factory):
 @pytest.mark.parametrize("mode", [M.NONE, M.FULL])
 def test_other_modes_call_through(factory, mode):
     fn = Counting()
-    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE)
+    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE, graph_factory=factory)
     with cudagraph_capturing_enabled(), counter.expect(num_cudagraph_captured=0):
         with step(mode, BD(4)):
             wrapper(torch.ones(4))
@@ -135,7 +132,7 @@ def test_other_modes_call_through(factory, mode):
 
 def test_capture_outside_start_up_raises_naming_the_descriptor(factory):
     fn = Counting()
-    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE)
+    wrapper = CUDAGraphWrapper(fn, M.PIECEWISE, graph_factory=factory)
     assert not is_cudagraph_capturing_enabled()
     with pytest.raises(CUDAGraphCaptureError, match=r"BatchDescriptor\(num_tokens=3"):
         with step(M.PIECEWISE, BD(3)):
@@ -144,7 +141,7 @@ def test_capture_outside_start_up_raises_naming_the_descriptor(factory):
 
 
 def test_same_mode_without_descriptor_is_an_error(factory):
-    wrapper = CUDAGraphWrapper(Counting(), M.FULL)
+    wrapper = CUDAGraphWrapper(Counting(), M.FULL, graph_factory=factory)
     with cudagraph_capturing_enabled(), pytest.raises(CUDAGraphCaptureError, match="no batch"):
         with step(M.FULL, None):
             wrapper(torch.ones(3))
@@ -158,11 +155,13 @@ def test_runtime_mode_must_be_a_graph_mode():
 class TwoPieces:
     """A stand-in for a split graph: two PIECEWISE-wrapped pieces and eager work between."""
 
-    def __init__(self):
+    def __init__(self, factory):
         self.first, self.second = Counting(2.0), Counting(3.0)
-        self.piece0 = CUDAGraphWrapper(self.first, M.PIECEWISE, num_warmups=0, is_last_piece=False)
+        self.piece0 = CUDAGraphWrapper(
+            self.first, M.PIECEWISE, num_warmups=0, is_last_piece=False, graph_factory=factory
+        )
         self.piece1 = CUDAGraphWrapper(
-            self.second, M.PIECEWISE, num_warmups=0, is_first_piece=False
+            self.second, M.PIECEWISE, num_warmups=0, is_first_piece=False, graph_factory=factory
         )
         self.entered = 0
 
@@ -172,8 +171,8 @@ class TwoPieces:
 
 
 def test_full_over_piecewise(factory):
-    model = TwoPieces()
-    full = CUDAGraphWrapper(model, M.FULL, num_warmups=1)
+    model = TwoPieces(factory)
+    full = CUDAGraphWrapper(model, M.FULL, num_warmups=1, graph_factory=factory)
     x = torch.ones(4)
     with cudagraph_capturing_enabled():
         with counter.expect(num_cudagraph_captured=2), step(M.PIECEWISE, BD(4)):
@@ -195,7 +194,7 @@ def test_full_over_piecewise(factory):
 
 
 def test_only_the_first_piece_pays_for_gc_and_empty_cache(factory):
-    model = TwoPieces()
+    model = TwoPieces(factory)
     with cudagraph_capturing_enabled(), step(M.PIECEWISE, BD(4)):
         model(torch.ones(4))
     assert factory.gc_suppressed == [False, True]
@@ -232,7 +231,9 @@ def test_weak_ref_tensor_views_the_same_memory():
 
 
 def test_debug_mode_checks_input_addresses(factory):
-    wrapper = CUDAGraphWrapper(Counting(), M.PIECEWISE, num_warmups=0, debug=True)
+    wrapper = CUDAGraphWrapper(
+        Counting(), M.PIECEWISE, num_warmups=0, debug=True, graph_factory=factory
+    )
     buffer = torch.ones(8)
     with cudagraph_capturing_enabled(), step(M.PIECEWISE, BD(4)):
         wrapper(buffer[:4])
@@ -243,7 +244,9 @@ def test_debug_mode_checks_input_addresses(factory):
 
 
 def test_debug_mode_names_positional_arguments_it_cannot_name(factory):
-    wrapper = CUDAGraphWrapper(lambda *args: args[0] + 1, M.FULL, num_warmups=0, debug=True)
+    wrapper = CUDAGraphWrapper(
+        lambda *args: args[0] + 1, M.FULL, num_warmups=0, debug=True, graph_factory=factory
+    )
     buffer = torch.ones(8)
     with cudagraph_capturing_enabled(), step(M.FULL, BD(4)):
         wrapper(buffer[:4], buffer[4:])
@@ -252,7 +255,9 @@ def test_debug_mode_names_positional_arguments_it_cannot_name(factory):
 
 
 def test_without_debug_addresses_are_trusted(factory):
-    wrapper = CUDAGraphWrapper(Counting(), M.PIECEWISE, num_warmups=0, debug=False)
+    wrapper = CUDAGraphWrapper(
+        Counting(), M.PIECEWISE, num_warmups=0, debug=False, graph_factory=factory
+    )
     with cudagraph_capturing_enabled(), step(M.PIECEWISE, BD(4)):
         wrapper(torch.ones(4))
     with step(M.PIECEWISE, BD(4)):
@@ -284,6 +289,13 @@ def make_dispatcher(config, mode):
     return d
 
 
+def build_with(factory, config, **kwargs):
+    """A toy model whose piecewise graphs are the factory's (a CPU stand-in for CUDA)."""
+    model = build(config, **kwargs)
+    set_graph_factory(model, factory)
+    return model
+
+
 def pieces_of(model):
     split_gm = compiled_model(model).split_gm
     return [v for v in split_gm.__dict__.values() if isinstance(v, CUDAGraphWrapper)]
@@ -304,7 +316,7 @@ def test_backend_wraps_pieces_only_where_graphs_can_run():
 def test_piecewise_start_up_capture_and_replay(factory, num_layers):
     config = piecewise_config()
     ref = build(cr.CompilationConfig(mode="NONE"), num_layers=num_layers)
-    model = build(config, num_layers=num_layers)
+    model = build_with(factory, config, num_layers=num_layers)
     buffer = torch.zeros(max(SIZES), dtype=torch.long)  # persistent input buffer
     dispatcher = make_dispatcher(config, M.PIECEWISE)
     with counter.expect(num_cudagraph_captured=(num_layers + 1) * len(SIZES)):
@@ -340,7 +352,7 @@ def test_piecewise_start_up_capture_and_replay(factory, num_layers):
 
 def test_piecewise_capture_accepts_capture_inputs(factory):
     config = piecewise_config()
-    model = build(config, num_layers=1)
+    model = build_with(factory, config, num_layers=1)
     buffer = torch.zeros(4, dtype=torch.long)
     seen = []
 
@@ -355,8 +367,8 @@ def test_piecewise_capture_accepts_capture_inputs(factory):
 
 def test_full_and_piecewise_capture(factory):
     config = piecewise_config().model_copy(update={"cudagraph_mode": M.FULL_AND_PIECEWISE})
-    model = build(config, num_layers=2)
-    full = wrap_full_model(model, config)
+    model = build_with(factory, config, num_layers=2)
+    full = wrap_full_model(model, config, factory)
     buffer = torch.zeros(4, dtype=torch.long)
     dispatcher = make_dispatcher(config, M.FULL_AND_PIECEWISE)
     with counter.expect(num_cudagraph_captured=3 * len(SIZES) + len(SIZES)):
@@ -378,7 +390,7 @@ def test_full_and_piecewise_capture(factory):
 
 def test_capture_without_a_full_wrapper_is_an_error(factory):
     config = piecewise_config().model_copy(update={"cudagraph_mode": M.FULL})
-    model = build(config, num_layers=1)
+    model = build_with(factory, config, num_layers=1)
     buffer = torch.zeros(4, dtype=torch.long)
     frozen = gc.get_freeze_count()
     with pytest.raises(CUDAGraphCaptureError, match="wrap_full_model"):
@@ -387,7 +399,7 @@ def test_capture_without_a_full_wrapper_is_an_error(factory):
 
 
 def test_nothing_to_capture(factory):
-    model = build(piecewise_config(), num_layers=1)
+    model = build_with(factory, piecewise_config(), num_layers=1)
     dispatcher = make_dispatcher(piecewise_config(), M.NONE)
     with counter.expect(num_cudagraph_captured=0):
         report = capture(
@@ -420,24 +432,24 @@ class RecomputingFactory:
 @torch.no_grad()
 def test_served_outputs_equal_eager_with_graph_semantics():
     """New values in the persistent buffer flow through FULL and PIECEWISE replays."""
-    with use_graph_factory(RecomputingFactory()):
-        config = piecewise_config().model_copy(update={"cudagraph_mode": M.FULL_AND_PIECEWISE})
-        ref = build(cr.CompilationConfig(mode="NONE"), num_layers=2)
-        model = build(config, num_layers=2)
-        full = wrap_full_model(model, config)
-        buffer = torch.zeros(4, dtype=torch.long)
-        dispatcher = make_dispatcher(config, M.FULL_AND_PIECEWISE)
-        capture(full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False)
-        modes = set()
-        with counter.expect(num_cudagraph_captured=0):
-            for n in [1, 2, 3, 4]:
-                for uniform in (True, False):
-                    mode, desc = dispatcher.dispatch(n, uniform)
-                    modes.add(mode)
-                    buffer.copy_(torch.randint(0, 64, (4,)))
-                    with cr.set_forward_context(
-                        None, cudagraph_runtime_mode=mode, batch_descriptor=desc
-                    ):
-                        out = full(buffer[: desc.num_tokens])
-                    assert torch.equal(out, ref(buffer[: desc.num_tokens])), (n, uniform)
-        assert modes == {M.FULL, M.PIECEWISE}
+    factory = RecomputingFactory()
+    config = piecewise_config().model_copy(update={"cudagraph_mode": M.FULL_AND_PIECEWISE})
+    ref = build(cr.CompilationConfig(mode="NONE"), num_layers=2)
+    model = build_with(factory, config, num_layers=2)
+    full = wrap_full_model(model, config, factory)
+    buffer = torch.zeros(4, dtype=torch.long)
+    dispatcher = make_dispatcher(config, M.FULL_AND_PIECEWISE)
+    capture(full, lambda d, _mode: (buffer[: d.num_tokens],), dispatcher, progress=False)
+    modes = set()
+    with counter.expect(num_cudagraph_captured=0):
+        for n in [1, 2, 3, 4]:
+            for uniform in (True, False):
+                mode, desc = dispatcher.dispatch(n, uniform)
+                modes.add(mode)
+                buffer.copy_(torch.randint(0, 64, (4,)))
+                with cr.set_forward_context(
+                    None, cudagraph_runtime_mode=mode, batch_descriptor=desc
+                ):
+                    out = full(buffer[: desc.num_tokens])
+                assert torch.equal(out, ref(buffer[: desc.num_tokens])), (n, uniform)
+    assert modes == {M.FULL, M.PIECEWISE}

@@ -10,10 +10,10 @@ from torch import nn
 
 import compile_runtime as cr
 from compile_runtime.compiler.compiled_forward import TracedArgumentError
-from compile_runtime.compiler.decorator import attention_split, compiled_model
+from compile_runtime.compiler.decorator import attention_split, compiled_model, set_graph_factory
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, use_graph_factory
+from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
 from compile_runtime.testing.toy import build
 
 counter = cr.compilation_counter
@@ -119,14 +119,15 @@ def test_overload_qualified_splitting_op_splits():
 def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
     config = EAGER.model_copy(update={"splitting_ops": ["aten::mm"]})  # never in a Dynamo graph
     ref = build(cr.CompilationConfig(mode="NONE"))
-    with use_graph_factory(object()):  # graphs "available": the backend would wrap pieces
-        model = build(config)
-        split = build(EAGER.model_copy(update={"splitting_ops": None}))
-        assert attention_split(model) is None  # not traced yet
-        with caplog.at_level(logging.WARNING, logger="compile_runtime.compiler.graph_compiler"):
-            with counter.expect(num_piecewise_graphs_seen=1):
-                assert torch.equal(model(torch.arange(5)), ref(torch.arange(5)))
-        split(torch.arange(5))
+    model = build(config)
+    split = build(EAGER.model_copy(update={"splitting_ops": None}))
+    for m in (model, split):  # graphs "available": the backend would wrap pieces
+        set_graph_factory(m, object())
+    assert attention_split(model) is None  # not traced yet
+    with caplog.at_level(logging.WARNING, logger="compile_runtime.compiler.graph_compiler"):
+        with counter.expect(num_piecewise_graphs_seen=1):
+            assert torch.equal(model(torch.arange(5)), ref(torch.arange(5)))
+    split(torch.arange(5))
     assert "splitting_ops ['aten::mm'] match no op in the graph" in caplog.text
 
     # The one piece holds attention: it is never wrapped for a piecewise graph.

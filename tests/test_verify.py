@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_leaves
 import compile_runtime as cr
 import compile_runtime.compiler.graph_compiler as backend_module
 from compile_runtime.cli import main
-from compile_runtime.cudagraph.wrapper import use_graph_factory
+from compile_runtime.compiler.decorator import set_graph_factory
 from compile_runtime.testing.transformer import build_transformer
 from compile_runtime.verify.compare import VerifyError, compare, tolerance_for
 from compile_runtime.verify.model_dir import check_model_dir
@@ -228,8 +228,8 @@ class RerunFactory:
 @pytest.mark.parametrize("bias, ok", [(0.0, True), (0.5, False)])
 def test_graph_replays_are_compared_with_the_piece_without_a_graph(bias, ok):
     model = build_transformer(EAGER, num_layers=2)
-    with use_graph_factory(RerunFactory(bias)):
-        report = verify_model(model, *batch(), check_graphs=True)
+    set_graph_factory(model, RerunFactory(bias))
+    report = verify_model(model, *batch(), check_graphs=True)
     assert all(p.graph_max_abs is not None for p in compiled(report))
     assert report.ok is ok
     assert all(p.ok for p in compiled(report))  # without graphs every piece is right

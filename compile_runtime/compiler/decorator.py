@@ -40,6 +40,7 @@ from compile_runtime.compiler.piece_store import CompileResult
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
 from compile_runtime.compiler.split import Piece
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
+from compile_runtime.cudagraph.wrapper import GraphFactory
 from compile_runtime.passes.manager import PassManager
 
 M = TypeVar("M", bound=type)
@@ -200,6 +201,23 @@ def trace_at_first_call(model: torch.nn.Module) -> None:
     program: for what walks the FX split graph (``verify``), which a program does without."""
     for compiled in _compiled_forwards(model):
         compiled.load_program = False
+
+
+def set_graph_factory(model: torch.nn.Module, factory: GraphFactory | None) -> None:
+    """Capture ``model``'s piecewise graphs with ``factory`` (None: CUDA graphs); before its
+    first call, which wraps the pieces. CPU tests put a graph double in CUDA's place."""
+    for compiled in _compiled_forwards(model):
+        if compiled.traced:
+            raise RuntimeError(
+                f"{type(model).__name__} has run already; set its graph factory before the "
+                "first call, which wraps its pieces"
+            )
+        compiled.graph_compiler.graph_factory = factory
+
+
+def graph_factory_of(model: torch.nn.Module) -> GraphFactory | None:
+    """The graph factory ``model``'s pieces were given (None: CUDA graphs)."""
+    return next((c.graph_compiler.graph_factory for c in _compiled_forwards(model)), None)
 
 
 def backend_seconds(model: torch.nn.Module) -> float:

@@ -36,7 +36,7 @@ from compile_runtime.compiler.split import (
 )
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.wrapper import wrap_piece
+from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_piece
 from compile_runtime.passes.manager import PassManager
 
 if TYPE_CHECKING:
@@ -66,6 +66,8 @@ class GraphCompiler:
         self.program_builder: DraftBuilder | None = None
         # Record the cache key factors and run eager, compiling nothing (cache explain --model).
         self.key_only = False
+        # What piece wrappers capture with; None: CUDA graphs (decorator.set_graph_factory).
+        self.graph_factory: GraphFactory | None = None
 
     @property
     def splitting_ops(self) -> list[str]:
@@ -199,6 +201,7 @@ class GraphCompiler:
                     index=index,
                     is_first=i == 0,
                     is_last=i == len(capturable) - 1,
+                    graph_factory=self.graph_factory,
                 )
                 if num_splitting
                 else runtime

@@ -8,9 +8,10 @@ set them), and the wrapper replays, captures, or calls straight through.
 Capture is allowed only while start-up capture is on
 (``cudagraph_capturing_enabled``); a missing graph during serving is an error.
 
-The graph implementation comes from a small factory (``set_graph_factory``),
-``torch.cuda.CUDAGraph`` by default, so CPU tests can put a recording double
-in its place and exercise every path of the wrapper.
+The graph implementation comes from a small factory, ``torch.cuda.CUDAGraph``
+by default; a wrapper (and a compiled model, ``decorator.set_graph_factory``)
+can be given another, so CPU tests can put a recording double in its place and
+exercise every path of the wrapper.
 """
 
 from __future__ import annotations
@@ -99,33 +100,12 @@ class TorchCUDAGraphFactory:
         return self._pool
 
 
-_default_factory = TorchCUDAGraphFactory()
-_factory: GraphFactory = _default_factory
+CUDA_GRAPHS = TorchCUDAGraphFactory()  # the real graphs: one memory pool for all
 
 
-def get_graph_factory() -> GraphFactory:
-    return _factory
-
-
-def set_graph_factory(factory: GraphFactory | None) -> GraphFactory:
-    """Use ``factory`` for wrappers created from now on (None: CUDA graphs); returns the old one."""
-    global _factory
-    previous, _factory = _factory, factory if factory is not None else _default_factory
-    return previous
-
-
-@contextlib.contextmanager
-def use_graph_factory(factory: GraphFactory) -> Iterator[GraphFactory]:
-    previous = set_graph_factory(factory)
-    try:
-        yield factory
-    finally:
-        set_graph_factory(previous)
-
-
-def graphs_available() -> bool:
+def graphs_available(factory: GraphFactory | None = None) -> bool:
     """CUDA is there, or a substitute factory (a test double) stands in for it."""
-    return _factory is not _default_factory or torch.cuda.is_available()
+    return factory is not None or torch.cuda.is_available()
 
 
 # ---- start-up capture switch ----------------------------------------------
@@ -239,7 +219,7 @@ class CUDAGraphWrapper:
         self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
         self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
         self.arg_names = list(arg_names) if arg_names is not None else _positional_names(runnable)
-        self.factory = graph_factory or get_graph_factory()
+        self.factory = graph_factory or CUDA_GRAPHS
         self.entries: dict[BatchDescriptor, _Entry] = {}
         self.num_replays = 0
 
@@ -339,12 +319,14 @@ class CUDAGraphWrapper:
 # ---- integration helpers ----------------------------------------------------
 
 
-def piecewise_cudagraphs_enabled(config: CompilationConfig) -> bool:
+def piecewise_cudagraphs_enabled(
+    config: CompilationConfig, graph_factory: GraphFactory | None = None
+) -> bool:
     """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE."""
     return (
         config.mode == CompilationMode.PIECEWISE
         and config.cudagraph_mode.has_piecewise_cudagraphs()
-        and graphs_available()
+        and graphs_available(graph_factory)
     )
 
 
@@ -356,10 +338,11 @@ def wrap_piece(
     index: int,
     is_first: bool,
     is_last: bool,
+    graph_factory: GraphFactory | None = None,
 ) -> Callable[..., Any]:
     """``runtime`` in a PIECEWISE wrapper when piecewise graphs are on, else as is
     (``arg_names``: the piece's input names, for error messages)."""
-    if not piecewise_cudagraphs_enabled(config):
+    if not piecewise_cudagraphs_enabled(config, graph_factory):
         return runtime
     return CUDAGraphWrapper(
         runtime,
@@ -369,11 +352,14 @@ def wrap_piece(
         is_last_piece=is_last,
         name=f"piece {index}",
         arg_names=arg_names,
+        graph_factory=graph_factory,
     )
 
 
 def wrap_full_model(
-    model: Callable[..., Any], config: CompilationConfig | None = None
+    model: Callable[..., Any],
+    config: CompilationConfig | None = None,
+    graph_factory: GraphFactory | None = None,
 ) -> CUDAGraphWrapper:
     """Wrap a whole (compiled) model for FULL graphs; the runner calls this after loading.
 
@@ -389,4 +375,5 @@ def wrap_full_model(
         CUDAGraphMode.FULL,
         num_warmups=config.cudagraph_num_warmups,
         name=f"{type(model).__name__} (FULL)",
+        graph_factory=graph_factory,
     )

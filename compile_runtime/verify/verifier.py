@@ -40,6 +40,7 @@ from compile_runtime.attention.op import running_layers
 from compile_runtime.compiler.decorator import (
     compiled_model,
     find_compiled_module,
+    graph_factory_of,
     is_traced,
     trace_at_first_call,
 )
@@ -186,6 +187,7 @@ class _Verifier:
                 "CompilationMode.PIECEWISE or DYNAMO_TRACE_ONCE"
             )
         self.module = module
+        self.graph_factory = graph_factory_of(module)  # None: CUDA graphs
         self.config: CompilationConfig = record.config
         self.split_gm: torch.fx.GraphModule = record.split_gm
         self.pieces: dict[str, Piece] = {p.name: p for p in record.pieces}
@@ -200,7 +202,7 @@ class _Verifier:
             check_graphs = wrapped
             if wrapped:
                 self.graphs = "piecewise graphs on: each compiled piece captured and replayed"
-            elif not graphs_available():
+            elif not graphs_available(self.graph_factory):
                 self.graphs = "off (no CUDA device)"
             else:
                 self.graphs = (
@@ -208,7 +210,7 @@ class _Verifier:
                     "piecewise graphs of this model)"
                 )
         elif check_graphs:
-            if not graphs_available():
+            if not graphs_available(self.graph_factory):
                 raise VerifyError("check_graphs=True needs CUDA (or a graph factory standing in)")
             self.graphs = "each compiled piece captured and replayed (asked for)"
         else:
@@ -239,6 +241,7 @@ class _Verifier:
             CUDAGraphMode.PIECEWISE,
             num_warmups=1,
             name=f"verify piece {check.index}",
+            graph_factory=self.graph_factory,
         )
         descriptor = BatchDescriptor(num_tokens)
         with (
