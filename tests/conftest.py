@@ -8,9 +8,10 @@ import torch
 from compile_runtime.device import DEVICE_ENV
 from compile_runtime.testing.model_dirs import make_model_dir
 
-# The default CPU thread count follows how busy the machine is and is part of the
-# cache key; pin it (for this process and the CLI subprocesses tests start) so two
-# starts in one test see the same key however loaded the machine is.
+# The default CPU thread count follows how busy the machine is; pin it (for this process
+# and the processes tests start) so that outputs two starts in one test compare are
+# reduced over the same number of threads however loaded the machine is. (The compile
+# cache does not depend on it: tests/test_cache.py starts at 1 and 2 threads.)
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
 # Every test runs on the device it was written for: engines a test starts without naming a

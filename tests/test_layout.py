@@ -122,3 +122,24 @@ def test_config_is_the_lowest_layer():
     assert len(config_modules) > 1, "the graph lost the config package's modules"
     ours = {(m, t) for m in config_modules for t in graph[m] if not is_config(t)}
     assert ours == set(), f"config imports {sorted(ours)}; it must import nothing else of ours"
+
+
+MAX_LINES = 400  # a file past this mixes concepts; split it along them (issue 28)
+
+
+def test_no_library_file_is_longer_than_one_concept_needs():
+    long = {
+        str(path.relative_to(REPO)): n
+        for path in module_files().values()
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"split these along their concepts: {long}"
+
+
+def test_every_folder_says_what_it_holds():
+    silent = [
+        str(path.relative_to(REPO))
+        for path in module_files().values()
+        if path.name == "__init__.py" and not ast.get_docstring(ast.parse(path.read_text()))
+    ]
+    assert not silent, f"give these a docstring naming each file's concept: {silent}"
