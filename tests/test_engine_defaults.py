@@ -128,3 +128,20 @@ def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path
         held = cr.SamplingParams(temperature=0, max_tokens=3, min_tokens=3, logit_bias={eos: 100.0})
         (out,) = llm.generate([5, 6], held, progress=False)
         assert len(out.token_ids) == 3 and not {7, 9, 2} & set(out.token_ids)
+
+
+def test_start_up_reads_the_model_config_once(model_dirs, monkeypatch):
+    from transformers import AutoConfig
+
+    reads = []
+    read = AutoConfig.from_pretrained.__func__
+
+    def counting(cls, *args, **kwargs):
+        reads.append(args[0] if args else kwargs)
+        return read(cls, *args, **kwargs)
+
+    monkeypatch.setattr(AutoConfig, "from_pretrained", classmethod(counting))
+    model_dir = model_dirs("llama")
+    with cr.LLM(model_dir, EAGER, kv_cache_bytes=2**24):
+        pass
+    assert reads == [model_dir]  # the engine's: the checks, tokenizer and runner get it

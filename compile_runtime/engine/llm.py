@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from compile_runtime.config import (
     CompilationConfig,
@@ -43,6 +42,7 @@ from compile_runtime.engine.core import EngineCore, StepError
 from compile_runtime.executor import Executor, make_executor
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
+from compile_runtime.models.registry import read_hf_config
 from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
@@ -137,7 +137,7 @@ class LLM:
         }
         self.runner_config = runner_config = RunnerConfig(**runner_options)
         device = options.pop("device", None) or default_device()  # one device for every worker
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = read_hf_config(model_dir)  # the only read: passed along from here
         self.dtype = resolve_dtype(
             dtype, hf_config, device, quantized=gguf_file_in(model_dir) is not None
         )
@@ -153,8 +153,10 @@ class LLM:
         size_runner_config(
             runner_config, hf_config, self.dtype, device, engine_config.tensor_parallel_size
         )
-        self.executor: Executor = make_executor(engine_config, distributed_executor_backend)
-        self.tokenizer = _load_tokenizer(model_dir)
+        self.executor: Executor = make_executor(
+            engine_config, hf_config, distributed_executor_backend
+        )
+        self.tokenizer = _load_tokenizer(model_dir, hf_config)
         self.scheduler = Scheduler(
             num_blocks=self.executor.num_blocks,
             block_size=runner_config.block_size,
@@ -356,14 +358,14 @@ class LLM:
         return out
 
 
-def _load_tokenizer(model_dir: str):
+def _load_tokenizer(model_dir: str, hf_config):
     if not any(
         os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
     ):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir, config=hf_config)  # else it reads it again
 
 
 def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:

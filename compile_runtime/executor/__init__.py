@@ -48,11 +48,8 @@ def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Execu
 FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
 
 
-def check_model(config: EngineConfig) -> None:
+def check_model(config: EngineConfig, hf_config: Any) -> None:
     """Reject, before any worker starts, a model this configuration cannot run."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(config.model_dir)
     config.runner_config.check_model(hf_config, config.model_dir)
     check_model_for_tensor_parallel(config, hf_config)
 
@@ -71,12 +68,15 @@ def check_model_for_tensor_parallel(config: EngineConfig, hf_config: Any) -> Non
     check_tensor_parallel(hf_config, config.tensor_parallel_size)
 
 
-def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
-    """Check the configuration, then start the executor (and through it every worker)."""
+def make_executor(config: EngineConfig, hf_config: Any, backend: str | None = None) -> Executor:
+    """Check the configuration, then start the executor (and through it every worker).
+
+    ``hf_config``: the model's config as the engine read it (models/registry.py), handed to
+    every worker so none reads it again."""
     cls = executor_class(backend, config.tensor_parallel_size)
     if cls.local_ranks:
         check_device_available(config)
-    check_model(config)
+    check_model(config, hf_config)
     choose_num_threads(
         config.runner_config, config.device or default_device(), config.tensor_parallel_size
     )
@@ -84,7 +84,7 @@ def make_executor(config: EngineConfig, backend: str | None = None) -> Executor:
         config.worker_env = {
             k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)
         }
-    return cls(config)
+    return cls(config, hf_config)
 
 
 def check_device_available(config: EngineConfig) -> None:

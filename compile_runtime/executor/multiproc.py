@@ -80,7 +80,7 @@ def death_cause(process: multiprocessing.Process) -> str:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, hf_config: Any):
         self.config = config
         self.closed = False
         world = config.tensor_parallel_size
@@ -93,7 +93,7 @@ class MultiprocExecutor(Executor):
             parent_end, child_end = ctx.Pipe(duplex=True)
             process = ctx.Process(
                 target=worker_main,
-                args=(config, rank, world, init_method, child_end, os.getpid()),
+                args=(config, hf_config, rank, world, init_method, child_end, os.getpid()),
                 name=f"compile_runtime-rank{rank}",
                 daemon=True,
             )

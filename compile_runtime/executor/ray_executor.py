@@ -50,9 +50,10 @@ def import_ray():
 class RayWorker:
     """The actor body: a ``Worker`` plus what the driver asks before it exists."""
 
-    def __init__(self, config: EngineConfig, rank: int, world_size: int):
+    def __init__(self, config: EngineConfig, hf_config: Any, rank: int, world_size: int):
         os.environ.update(config.worker_env)
-        self.config, self.rank, self.world_size = config, rank, world_size
+        self.config, self.hf_config = config, hf_config
+        self.rank, self.world_size = rank, world_size
         self.worker: Worker | None = None
 
     def node_ip(self) -> str:
@@ -65,7 +66,9 @@ class RayWorker:
 
     def start(self, init_method: str):
         # Ray makes CUDA_VISIBLE_DEVICES hold this actor's GPU only: it is cuda:0 here.
-        self.worker = Worker(self.config, self.rank, self.world_size, init_method, local_rank=0)
+        self.worker = Worker(
+            self.config, self.hf_config, self.rank, self.world_size, init_method, local_rank=0
+        )
         return self.worker.start()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -75,7 +78,7 @@ class RayWorker:
 class RayExecutor(Executor):
     local_ranks = False
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, hf_config: Any):
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -114,7 +117,7 @@ class RayExecutor(Executor):
                             placement_group_bundle_index=rank,
                         ),
                         runtime_env={"env_vars": dict(config.worker_env)},
-                    ).remote(config, rank, world)
+                    ).remote(config, hf_config, rank, world)
                 )
             ips = self._get([a.node_ip.remote() for a in self.actors], 300, "start-up")
             host = LOOPBACK if len(set(ips.values())) == 1 else ips[0]

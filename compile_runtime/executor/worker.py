@@ -51,12 +51,14 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
+        hf_config: Any,
         rank: int,
         world_size: int,
         init_method: str | None,
         local_rank: int | None = None,
     ):
         self.config = config
+        self.hf_config = hf_config  # the model's config, as the engine read it
         self.rank = rank
         self.world_size = world_size
         self.init_method = init_method
@@ -93,6 +95,7 @@ class Worker:
             dtype=c.dtype,
             device=device,
             use_transformers=c.use_transformers,
+            hf_config=self.hf_config,
         )
         self.runner.initialize()
         after = counter_snapshot()
@@ -154,7 +157,13 @@ def _die_with_parent() -> None:
 
 
 def worker_main(
-    config: EngineConfig, rank: int, world_size: int, init_method: str, conn: Any, parent_pid: int
+    config: EngineConfig,
+    hf_config: Any,
+    rank: int,
+    world_size: int,
+    init_method: str,
+    conn: Any,
+    parent_pid: int,
 ) -> None:
     """Entry point of one ``MultiprocExecutor`` worker process."""
     _die_with_parent()
@@ -164,7 +173,7 @@ def worker_main(
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
-    worker = Worker(config, rank, world_size, init_method)
+    worker = Worker(config, hf_config, rank, world_size, init_method)
     try:
         start = time.perf_counter()
         info = worker.start()

@@ -1,10 +1,17 @@
-"""Build a model from a Hugging Face-style directory: native when we have it, else the adapter."""
+"""Build a model from a Hugging Face-style directory: native when we have it, else the adapter.
+
+``read_hf_config`` is the one place the directory's config.json is read: the engine
+reads it once at start-up and passes it along (to the checks, the sizing, the
+runner and ``load_model``); a worker in another process receives it with its
+configuration.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,6 +72,11 @@ def skip_weight_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+def read_hf_config(model_dir: str) -> Any:
+    """The model's config (config.json, as transformers reads it: a ``PretrainedConfig``)."""
+    return AutoConfig.from_pretrained(model_dir)
+
+
 def load_model(
     model_dir: str,
     compilation_config: CompilationConfig,
@@ -73,6 +85,7 @@ def load_model(
     device: torch.device | str = "cpu",
     use_transformers: bool = False,
     cpu_pack_weights: bool = True,
+    hf_config: Any = None,
 ) -> nn.Module:
     """The model in ``model_dir`` (a ``CausalLanguageModel``) with its weights, built under
     ``compilation_config``.
@@ -83,9 +96,10 @@ def load_model(
     raises ``NativeUnsupported``; one warning says why). On a CPU the linear
     weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
     changes the traced graph, so everything that traces a model for the cache
-    key loads it here).
+    key loads it here). ``hf_config``: the config already read (None: read it here).
     """
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    if hf_config is None:
+        hf_config = read_hf_config(model_dir)
     device = torch.device(device)
     native = hf_config.model_type in ARCHITECTURES and not use_transformers
     with set_compilation_config(compilation_config), default_dtype_and_device(dtype, device):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -88,7 +89,9 @@ class ModelRunner:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         use_transformers: bool = False,
+        hf_config: Any = None,
     ):
+        """``hf_config``: the model's config as the engine read it (None: loading reads it)."""
         self.config = runner_config or RunnerConfig()
         self.compilation_config = compilation_config
         self.device = resolve_device(device)
@@ -106,6 +109,7 @@ class ModelRunner:
             device=self.device,
             use_transformers=use_transformers,
             cpu_pack_weights=self.config.cpu_pack_weights,
+            hf_config=hf_config,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
         # The engine sized these already; a runner built directly fills them here.
