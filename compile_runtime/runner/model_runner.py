@@ -7,8 +7,9 @@ dispatcher for the runtime mode and padded size, builds attention metadata once
 computes the logits the step needs in one call. ``sample_tokens`` then samples
 (or verifies drafts) and, with speculative decoding, proposes the next drafts
 (sampling_step.py). The state between the two calls lives in one
-``ExecuteModelState``. Start-up (weights, first forward, KV cache, graphs) is
-``__init__`` then ``initialize`` (startup.py).
+``ExecuteModelState``. Start-up is ``__init__`` (threads, weights, buffers) then
+``initialize``: the first forward, the CUDA graph plan (cudagraph_plan.py), the KV
+cache (startup.py), the capture.
 
 Under tensor parallelism every rank runs its own runner on the same scheduler
 output (so the persistent batches stay identical); the logits are gathered on
@@ -54,11 +55,11 @@ from compile_runtime.runner.scheduler_output import ModelRunnerOutput, Scheduler
 from compile_runtime.runner.startup import (
     ModelRunnerError,
     StartupTimes,
+    allocate_kv_cache_for,
     allocated_bytes,
-    bind_new_kv_cache,
-    num_kv_blocks,
 )
 from compile_runtime.runner.step_inputs import (
+    StepBuffers,
     capture_query_lens,
     flatten_step,
     logits_rows,
@@ -132,11 +133,7 @@ class ModelRunner:
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
-        self.input_ids = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
-        self.positions = torch.zeros(self.max_num_tokens, dtype=torch.long, device=self.device)
-        self.slot_mapping = torch.full(
-            (self.max_num_tokens,), -1, dtype=torch.long, device=self.device
-        )
+        self.buffers = StepBuffers(self.max_num_tokens, self.device)
         self.metadata_groups = metadata_groups(
             self.layers, c.block_size, c.max_num_seqs, self.device
         )
@@ -162,7 +159,7 @@ class ModelRunner:
         n = self.max_num_tokens
         # The bare compiled model (graphs are planned after it); attention runs dense, no cache.
         with torch.inference_mode(), set_forward_context(None, num_tokens=n):
-            self.model.model(self.input_ids[:n], self.positions[:n])
+            self.model.model(*self.buffers.forward_args(n))
         times = self.startup
         times.first_forward = time.perf_counter() - start
         times.saved_program = compilation_counter.num_programs_loaded > programs
@@ -175,16 +172,9 @@ class ModelRunner:
             uniform_decode_query_len=self.uniform_decode_query_len,
             device=self.device,
         )
-        start = time.perf_counter()
-        c = self.config
-        self.num_blocks = times.num_blocks = num_kv_blocks(
-            c, self.layers, self.dtype, self.device, self._allocated_at_start
+        self.num_blocks = allocate_kv_cache_for(
+            self.config, self.layers, self.dtype, self.device, self._allocated_at_start, times
         )
-        times.kv_cache_bytes = bind_new_kv_cache(
-            self.layers, self.num_blocks, c.block_size, self.dtype, self.device
-        )
-        times.kv_cache = time.perf_counter() - start
-        times.kv_cache_tokens = (self.num_blocks - 1) * c.block_size
         if self.dispatcher.capture_descriptors():
             start = time.perf_counter()
             with torch.inference_mode():
@@ -202,7 +192,7 @@ class ModelRunner:
         writes go to the null slot.
         """
         n = descriptor.num_tokens
-        args = (self.input_ids[:n], self.positions[:n])
+        args = self.buffers.forward_args(n)
         if mode != CUDAGraphMode.FULL:
             return CaptureInputs(args=args)
         c = self.config
@@ -212,13 +202,14 @@ class ModelRunner:
             dtype=torch.int32,
             device=self.device,
         )
-        self.slot_mapping[:n].fill_(-1)
+        slots = self.buffers.slot_mapping[:n]
+        slots.fill_(-1)
         metadata = build_metadata(
             self.metadata_groups,
             query_start_loc(np.cumsum(query_lens)),
             torch.from_numpy(query_lens.copy()),
             block_table,
-            self.slot_mapping[:n],
+            slots,
             n,
             num_padded_tokens=n,
             for_cudagraph=True,
@@ -278,18 +269,13 @@ class ModelRunner:
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
         padded = descriptor.num_tokens
-        self.input_ids[:total].copy_(torch.from_numpy(step.token_ids))
-        self.positions[:total].copy_(torch.from_numpy(step.positions))
-        self.slot_mapping[:total].copy_(step.slot_mapping)
-        if padded > total:
-            self.input_ids[total:padded].zero_()
-            self.positions[total:padded].zero_()
+        self.buffers.load(step, padded)
         metadata = build_metadata(
             self.metadata_groups,
             query_start_loc(step.cu_num_scheduled),
             torch.from_numpy(step.seq_lens.astype(np.int32)),
             batch.block_table.gather(step.rows),
-            self.slot_mapping[:padded],
+            self.buffers.slot_mapping[:padded],
             total,
             num_padded_tokens=padded,
             for_cudagraph=mode == CUDAGraphMode.FULL,
@@ -297,8 +283,7 @@ class ModelRunner:
         with set_forward_context(
             metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            forward = self.cudagraph_plan.forward_model
-            hidden = forward(self.input_ids[:padded], self.positions[:padded])
+            hidden = self.cudagraph_plan.forward_model(*self.buffers.forward_args(padded))
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.

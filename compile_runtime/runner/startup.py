@@ -10,6 +10,7 @@ seconds and sizes for the one start-up line users see.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -72,6 +73,24 @@ class StartupTimes:
 def allocated_bytes(device: torch.device) -> int:
     """Device memory torch holds now (0 off CUDA): the runner's own use is measured from it."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+def allocate_kv_cache_for(
+    config: RunnerConfig,
+    layers: Sequence[Attention],
+    dtype: torch.dtype,
+    device: torch.device,
+    allocated_at_start: int,
+    times: StartupTimes,
+) -> int:
+    """Size the KV cache for what is left after the first forward, allocate it and bind it to
+    the layers; its blocks (``times`` gets the seconds and sizes)."""
+    start = time.perf_counter()
+    num_blocks = times.num_blocks = num_kv_blocks(config, layers, dtype, device, allocated_at_start)
+    times.kv_cache_bytes = bind_new_kv_cache(layers, num_blocks, config.block_size, dtype, device)
+    times.kv_cache = time.perf_counter() - start
+    times.kv_cache_tokens = (num_blocks - 1) * config.block_size
+    return num_blocks
 
 
 def num_kv_blocks(

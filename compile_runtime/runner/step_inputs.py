@@ -42,6 +42,30 @@ class StepInputs:
         return self.num_computed + self.num_scheduled
 
 
+class StepBuffers:
+    """The forward's inputs in persistent buffers of ``max_num_tokens``: a CUDA graph
+    replays from the addresses it was captured at, whatever the step."""
+
+    def __init__(self, max_num_tokens: int, device: torch.device):
+        self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+
+    def forward_args(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.input_ids[:num_tokens], self.positions[:num_tokens]
+
+    def load(self, step: StepInputs, num_padded: int) -> None:
+        """Copy the step in; padded tokens are id 0 at position 0 (the metadata builder sets
+        their slots to the null slot)."""
+        total = step.total
+        self.input_ids[:total].copy_(torch.from_numpy(step.token_ids))
+        self.positions[:total].copy_(torch.from_numpy(step.positions))
+        self.slot_mapping[:total].copy_(step.slot_mapping)
+        if num_padded > total:
+            self.input_ids[total:num_padded].zero_()
+            self.positions[total:num_padded].zero_()
+
+
 def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
     """``[0, *cu_query_lens]`` as the host int32 tensor the metadata builders take."""
     qsl = torch.zeros(len(cu_query_lens) + 1, dtype=torch.int32)
