@@ -301,6 +301,21 @@ class ModelRunner:
             prompt_logprobs=prompt,
         )
 
+    def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list]:
+        """Per sampling request its tokens and logprobs: rank 0 samples (or verifies drafts),
+        every rank gets the same tokens."""
+        req_ids = state.sampling_req_ids
+        tokens: list[list[int]] = []
+        logprobs: list = []
+        if state.logits is not None:
+            states = [self.input_batch.requests[r] for r in req_ids]
+            tokens, logprobs = sample(self.sampler, state.logits, states, state.drafts)
+        if self.tp_size > 1:
+            width = 1 + max((len(d) for d in state.drafts or []), default=0)
+            sent = tokens if state.logits is not None else None
+            tokens = broadcast_tokens(sent, len(req_ids), width, self.device)
+        return tokens, logprobs or [None] * len(req_ids)
+
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         state = self.execute_state
@@ -317,16 +332,7 @@ class ModelRunner:
         logprobs: list = []
         if req_ids:
             batch = self.input_batch
-            width = 1 + max((len(d) for d in state.drafts or []), default=0)
-            if state.logits is not None:  # rank 0 samples
-                states = [batch.requests[r] for r in req_ids]
-                tokens, logprobs = sample(self.sampler, state.logits, states, state.drafts)
-            if self.tp_size > 1:
-                tokens = broadcast_tokens(
-                    tokens if state.logits is not None else None, len(req_ids), width, self.device
-                )
-            if not logprobs:
-                logprobs = [None] * len(req_ids)
+            tokens, logprobs = self._sample(state)
             for req_id, ids in zip(req_ids, tokens, strict=True):
                 for token in ids:
                     batch.append_token(req_id, token)
