@@ -250,7 +250,7 @@ def run_ours(name: str, args: argparse.Namespace, model_dir: str, cache_dir: str
         entry["startup_s"] = round(time.perf_counter() - start, 2)
         try:
             runner = llm.runner
-            entry["cudagraph_mode"] = runner.resolved.cudagraph_mode.name
+            entry["cudagraph_mode"] = runner.cudagraph_plan.cudagraph_mode.name
             entry["attention"] = sorted({layer.attn_backend.name for layer in runner.layers})
         except AttributeError:  # runners in worker processes, or renamed internals
             pass

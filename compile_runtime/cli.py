@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
-from compile_runtime.runner.model_runner import ModelRunnerError
+from compile_runtime.runner.startup import ModelRunnerError
 from compile_runtime.version import __version__
 
 # ValueError covers pydantic's ValidationError, JSON errors and most of our own

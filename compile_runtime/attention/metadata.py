@@ -31,6 +31,7 @@ import torch
 
 from compile_runtime.attention.kv_cache import PADDING_SLOT
 from compile_runtime.attention.spec import AttentionSpec
+from compile_runtime.cudagraph.dispatcher import is_uniform_decode
 
 
 @dataclass
@@ -39,7 +40,7 @@ class AttentionMetadata:
     num_reqs: int  # real requests
     max_query_len: int
     max_seq_len: int
-    uniform_decode: bool  # every request has exactly one query token
+    uniform_decode: bool  # every request has exactly one query token (dispatcher.is_uniform_decode)
     block_size: int
     # Device tensors (int32 unless noted). Request i owns query tokens
     # query_start_loc[i]:query_start_loc[i+1] and attends to its seq_lens[i]
@@ -147,7 +148,7 @@ class AttentionMetadataBuilder:
             num_reqs=num_reqs,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens_cpu.numpy().max()) if num_reqs else 0,
-            uniform_decode=num_reqs > 0 and max_query_len == 1 and num_actual_tokens == num_reqs,
+            uniform_decode=is_uniform_decode(qsl_np[1:] - qsl_np[:-1]),
             block_size=self.block_size,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,

@@ -174,7 +174,7 @@ class TransformersCausalLM(nn.Module):
 
         register_attention_implementation()
         hf = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=dtype, attn_implementation=IMPLEMENTATION
+            model_dir, config=hf_config, dtype=dtype, attn_implementation=IMPLEMENTATION
         )
         self.config = hf.config
         decoder = hf.get_decoder()
