@@ -36,7 +36,7 @@ def test_incremental_text_equals_decoding_everything():
     for _ in range(200):
         ids = [rng.randrange(len(VOCAB)) for _ in range(rng.randint(1, 40))]
         tokenizer = SentencePieceLike()
-        choice = Choice(0, stream=None, stop=[], tokenizer=tokenizer)
+        choice = Choice(tokenizer, [])
         for t in ids:
             choice.add(TokenEvent(t))
             assert tokenizer.decode(ids[: len(choice.token_ids)]).startswith(choice.text)
@@ -46,7 +46,7 @@ def test_incremental_text_equals_decoding_everything():
 
 def test_each_token_decodes_a_short_window_not_the_whole_output():
     tokenizer = SentencePieceLike()
-    choice = Choice(0, stream=None, stop=[], tokenizer=tokenizer)
+    choice = Choice(tokenizer, [])
     ids = [0, 1, 2, 8] * 50  # plain ASCII: no window waits for more tokens
     for t in ids:
         choice.add(TokenEvent(t))
@@ -56,7 +56,7 @@ def test_each_token_decodes_a_short_window_not_the_whole_output():
 
 def test_stop_string_cuts_the_incremental_text():
     tokenizer = SentencePieceLike()
-    choice = Choice(0, stream=None, stop=["sat"], tokenizer=tokenizer)
+    choice = Choice(tokenizer, ["sat"])
     for t in (0, 1, 2, 8):
         choice.add(TokenEvent(t))
         if choice.finish_reason == "stop":
@@ -97,7 +97,7 @@ class CountingTokenizer:
 def stream(ids: list[int], tokenizer, stop: list[str]) -> tuple[Choice, str]:
     """The choice after its tokens arrive one by one, and the text it streamed (as the
     server does: a stop string ends the request, its end flushes what was held back)."""
-    choice = Choice(0, stream=None, stop=stop, tokenizer=tokenizer)
+    choice = Choice(tokenizer, stop)
     pieces = []
     for t in ids:
         choice.add(TokenEvent(t))

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from compile_runtime.executor import Executor, ExecutorError
-from compile_runtime.runner.request import Request
+from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.scheduler import Scheduler
 
 
@@ -54,6 +54,14 @@ class EngineCore:
     def abort(self, req_ids: list[str]) -> list[Request]:
         """Drop unfinished requests now: their blocks are free before this returns."""
         return self.scheduler.abort_requests(req_ids)
+
+    def stop(self, stops: dict[str, str]) -> list[Request]:
+        """End requests whose text reached a stop string (``req_id -> the string``): finished
+        as "stop", their blocks free before this returns."""
+        stopped = self.scheduler.finish_requests(list(stops), RequestStatus.FINISHED_STOPPED)
+        for req in stopped:
+            req.stop_reason = stops[req.req_id]
+        return stopped
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

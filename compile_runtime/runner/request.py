@@ -44,6 +44,9 @@ class Request:
     num_cached_blocks: int = 0
     # Speculative decoding: draft tokens to verify in its next step (proposed by the runner).
     spec_token_ids: list[int] = field(default_factory=list)
+    # What stopped it, as vLLM reports it: a stop token id or a stop string; None for EOS,
+    # max_tokens or an abort.
+    stop_reason: int | str | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

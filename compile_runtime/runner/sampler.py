@@ -126,13 +126,19 @@ def apply_top_k_top_p(
 
 
 def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
-    """The distribution a sampled row draws from: temperature, then top-k and top-p.
+    """The distribution a sampled row draws from: temperature, then top-k and top-p, then
+    min-p (tokens below min_p x the row's largest probability dropped, as vLLM does).
 
     Rows with temperature 0 get temperature 1 here (they take the argmax instead).
     """
     temperature = torch.where(metadata.temperature == 0, 1.0, metadata.temperature)
     scaled = apply_top_k_top_p(logits / temperature[:, None], metadata.top_k, metadata.top_p)
-    return scaled.softmax(dim=-1)
+    probs = scaled.softmax(dim=-1)
+    if metadata.min_p is not None:
+        floor = metadata.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)  # the rejection sampler reads p(x)
+    return probs
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:

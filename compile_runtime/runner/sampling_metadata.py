@@ -66,6 +66,8 @@ class SamplingMetadata:
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None
     # Per row: how many top logprobs to return, or None for no logprobs.
     num_logprobs: list[int | None]
+    # [B] float32, 0.0 for rows without min-p.
+    min_p: torch.Tensor | None = None
 
     @property
     def num_reqs(self) -> int:
@@ -109,6 +111,9 @@ class SamplingMetadata:
         top_p = None
         if any(p.top_p < 1.0 and not p.greedy for p in params):
             top_p = f32([p.top_p for p in params])
+        min_p = None
+        if any(p.min_p > 0.0 and not p.greedy for p in params):
+            min_p = f32([p.min_p for p in params])
 
         prompt_ids = output_ids = rep = freq = pres = None
         if any(
@@ -167,6 +172,7 @@ class SamplingMetadata:
             logit_bias=logit_bias,
             min_tokens_mask=min_tokens_mask,
             num_logprobs=[p.logprobs for p in params],
+            min_p=min_p,
         )
 
 

@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class SamplingParams(BaseModel):
-    """Per-request sampling settings. ``temperature == 0`` means greedy."""
+    """Per-request sampling settings, named as vLLM names them. ``temperature == 0`` is greedy."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    n: int = Field(default=1, ge=1)  # outputs per prompt (independent samples)
     temperature: float = Field(default=1.0, ge=0.0)
-    top_k: int = Field(default=0, ge=0)  # 0 = off
+    top_k: int = Field(default=0, ge=0)  # 0 = off (vLLM's -1 is taken as 0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    # Tokens below min_p x the most likely token's probability are dropped (0 = off).
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
     max_tokens: int = Field(default=16, ge=1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
@@ -29,6 +34,34 @@ class SamplingParams(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0)
     # Text without the tokenizer's special tokens (<|im_end|>, </s>); token ids keep them.
     skip_special_tokens: bool = True
+    # Strings that end the output when its text reaches one (the text stops before it unless
+    # include_stop_str_in_output); the request finishes as "stop", its stop_reason the string.
+    stop: list[str] = Field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True  # False: token ids only (text None; stop strings need text)
+
+    @field_validator("top_k", mode="before")
+    @classmethod
+    def _minus_one_is_off(cls, v: Any) -> Any:
+        return 0 if v == -1 else v
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_string(cls, v: Any) -> Any:
+        if v is None:
+            return []
+        return [v] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _stop_strings_need_text(self) -> SamplingParams:
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop={self.stop!r} needs the text, but detokenize=False; use stop_token_ids "
+                "with detokenize=False, or detokenize=True"
+            )
+        if any(not s for s in self.stop):
+            raise ValueError("stop has an empty string, which would stop at once; remove it")
+        return self
 
     @model_validator(mode="after")
     def _min_not_above_max(self) -> SamplingParams:

@@ -168,7 +168,12 @@ class Scheduler:
         """
         if failed_step is not None:
             self._finished_req_ids |= failed_step.finished_req_ids
-        aborted = []
+        return self.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, req_ids: list[str], status: RequestStatus) -> list[Request]:
+        """End unfinished requests now with ``status`` (an abort, or a stop string the text
+        reached): free their blocks, forget them; the runner drops them at the next step."""
+        finished = []
         for req_id in req_ids:
             req = self.requests.pop(req_id, None)
             if req is None:
@@ -178,10 +183,10 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._free_blocks(req)
-            req.status = RequestStatus.FINISHED_ABORTED
+            req.status = status
             self._finished_req_ids.add(req_id)
-            aborted.append(req)
-        return aborted
+            finished.append(req)
+        return finished
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)

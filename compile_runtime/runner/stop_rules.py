@@ -20,6 +20,7 @@ def stop_status(req: Request, token: int) -> RequestStatus | None:
         if token in req.eos_token_ids and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED
         if token in params.stop_token_ids:
+            req.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
     if num_out >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH

@@ -7,6 +7,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from compile_runtime.engine.chat import ChatTemplateError, chat_prompt_ids
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.server.errors import APIError
 from compile_runtime.server.protocol import ChatMessage, SamplingFields
@@ -74,26 +75,8 @@ def prompt_token_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
 
 def chat_token_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
     """The messages through the model's chat template, ready for the assistant's answer."""
-    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
-        raise APIError(
-            400,
-            "this model has no chat template (tokenizer_config.json chat_template); "
-            "use /v1/completions",
-            "messages",
-        )
-    plain = [
-        {
-            "role": m.role,
-            "content": m.content
-            if isinstance(m.content, str)
-            else "".join(p.get("text", "") for p in m.content),
-        }
-        for m in messages
-    ]
+    plain = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True)
-    except Exception as e:  # noqa: BLE001 - a template error is the request's problem
-        raise APIError(400, f"the chat template failed: {e}", "messages") from None
-    if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-        ids = ids["input_ids"]
-    return list(ids)
+        return chat_prompt_ids(plain, tokenizer)
+    except ChatTemplateError as e:
+        raise APIError(400, str(e), "messages") from None

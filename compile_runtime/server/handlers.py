@@ -56,7 +56,7 @@ class Server:
         choices = []
         try:
             for i, r in enumerate(requests):
-                choices.append(Choice(i, engine.submit(r), stop, self.llm.tokenizer))
+                choices.append(Choice(self.llm.tokenizer, stop, index=i, stream=engine.submit(r)))
         except (EngineOverloadedError, EngineDeadError) as e:
             for c in choices:
                 engine.abort(c.stream.request.req_id)
