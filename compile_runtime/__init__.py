@@ -27,7 +27,8 @@ from compile_runtime.version import __version__
 # Generation pulls in transformers and the model code: imported on first use.
 _LAZY = {
     "LLM": "compile_runtime.engine.llm",
-    "RequestOutput": "compile_runtime.engine.llm",
+    "RequestOutput": "compile_runtime.engine.outputs",
+    "CompletionOutput": "compile_runtime.engine.outputs",
     "SamplingParams": "compile_runtime.runner.sampling_params",
     "StepFailedError": "compile_runtime.engine.llm",
 }
@@ -63,6 +64,7 @@ __all__ = [
     "set_compilation_config",
     "LLM",
     "RequestOutput",
+    "CompletionOutput",
     "SamplingParams",
     "StepFailedError",
     "__version__",

@@ -140,3 +140,18 @@ def test_cli_generate_runs_a_gguf_file(gguf_path, capsys):
     assert code == 0, out
     assert "Paris" in out
     assert "GiB" in out  # the start-up line names the KV cache's size
+
+
+def test_chat_answers_through_the_template_as_generate_does(llm, chat_prompts, reference):
+    conversations = [[{"role": "user", "content": q}] for q in QUESTIONS]
+    params = cr.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert [o.prompt_token_ids for o in outputs] == chat_prompts
+    assert "<|im_start|>assistant" in outputs[0].prompt
+    (one,) = llm.chat(conversations[0], params, use_tqdm=False)  # one conversation
+    assert one.outputs[0].token_ids == reference[0] and "Paris" in one.outputs[0].text
+    (stopped,) = llm.chat(conversations[0], params.model_copy(update={"stop": ["Paris"]}))
+    assert stopped.outputs[0].stop_reason == "Paris"
+    assert one.outputs[0].text.startswith(stopped.outputs[0].text)
+    assert "Paris" not in stopped.outputs[0].text

@@ -16,19 +16,13 @@ stuck in a collective), and later calls say the executor is shut down.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import difflib
 import itertools
 import logging
-import os
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from tqdm import tqdm
 
 from compile_runtime.config import (
     CompilationConfig,
@@ -38,18 +32,21 @@ from compile_runtime.config import (
     parse_config,
 )
 from compile_runtime.device import default_device
+from compile_runtime.engine.chat import chat_prompt_ids
 from compile_runtime.engine.core import EngineCore, StepError
+from compile_runtime.engine.offline_call import completion_output, run_until_done, sample_params
+from compile_runtime.engine.outputs import GenerateStats, RequestOutput
 from compile_runtime.executor import Executor, make_executor
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
+from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
 from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.model_runner import ModelRunner
 from compile_runtime.runner.prefix_cache import PrefixCacheStats
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
 from compile_runtime.runner.startup import StartupTimes
 
 logger = logging.getLogger(__name__)
@@ -78,40 +75,6 @@ def _check_option_names(options: dict[str, Any]) -> None:
             raise ConfigError(
                 f"LLM({name}=...): unknown option; {hint}the options are {sorted(known)}"
             )
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str | None
-    logprobs: list | None = None
-    first_token_seconds: float | None = None  # from generate() start to the first token
-    # Per prompt token: None for the first, then (logprob, top-k) given the tokens before it.
-    prompt_logprobs: list | None = None
-
-
-@dataclass
-class GenerateStats:
-    steps: int = 0
-    output_tokens: int = 0
-    # Tokens run through the model: prompt tokens not found in the prefix cache (again after a
-    # preemption), plus one per decode.
-    scheduled_tokens: int = 0
-    seconds: float = 0.0
-    first_token_seconds: list[float] = field(default_factory=list)
-    # Wall time of each step in which every scheduled request decoded (one token + drafts).
-    decode_step_seconds: list[float] = field(default_factory=list)
-    # Prompt tokens of this call looked up in the prefix cache, and found there.
-    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
-    # Draft tokens of this call proposed and accepted (speculative decoding).
-    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.output_tokens / self.seconds if self.seconds else 0.0
 
 
 class LLM:
@@ -156,7 +119,7 @@ class LLM:
         self.executor: Executor = make_executor(
             engine_config, hf_config, distributed_executor_backend
         )
-        self.tokenizer = _load_tokenizer(model_dir, hf_config)
+        self.tokenizer = load_tokenizer(model_dir, hf_config)
         self.scheduler = Scheduler(
             num_blocks=self.executor.num_blocks,
             block_size=runner_config.block_size,
@@ -216,10 +179,53 @@ class LLM:
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        progress: bool = True,
+        use_tqdm: bool = True,
+        progress: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in input order."""
+        """Generate for each prompt (text or token ids); outputs in input order, each with
+        ``n`` samples in ``outputs``. ``progress`` is the old name of ``use_tqdm``."""
+        texts = [prompts] if isinstance(prompts, str) else None
+        if texts is None and prompts and isinstance(prompts[0], str):
+            texts = list(prompts)
         token_lists = self._tokenize(prompts)
+        return self._run(
+            texts or [None] * len(token_lists),
+            token_lists,
+            sampling_params,
+            use_tqdm if progress is None else progress,
+        )
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, Any]] | Sequence[Sequence[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of ``{"role", "content"}``) or a list of them,
+        each through the model's chat template, as vLLM's ``LLM.chat``."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [
+            chat_prompt_ids(
+                list(c),
+                self.tokenizer,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs,
+            )
+            for c in conversations
+        ]
+        texts = [self.tokenizer.decode(ids) for ids in token_lists]
+        return self._run(texts, token_lists, sampling_params, use_tqdm)
+
+    def _run(
+        self,
+        texts: list[str | None],
+        token_lists: list[list[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
         params = (
@@ -229,79 +235,44 @@ class LLM:
         )
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
-        requests = [
-            self.make_request(list(tokens), p)
+        # One engine request per sample; a seed goes up by one from each sample to the next.
+        samples = [
+            [self.make_request(list(tokens), sample_params(p, i)) for i in range(p.n)]
             for tokens, p in zip(token_lists, params, strict=True)
         ]
-        for i, req in enumerate(requests):  # all checked before any is queued
+        requests = [r for group in samples for r in group]
+        for r in requests:  # all checked before any is queued
             try:
-                self.core.check(req)
+                self.core.check(r)
             except ValueError as e:
+                prompt = next(i for i, g in enumerate(samples) if r in g)
                 raise ValueError(
-                    f"prompt {i} of {len(requests)}: {e} (nothing of this call was queued)"
+                    f"prompt {prompt} of {len(samples)}: {e} (nothing of this call was queued)"
                 ) from None
         self.core.add(requests)
-
-        stats = GenerateStats()
-        cache_before = dataclasses.replace(self.prefix_cache_stats)
-        spec_before = dataclasses.replace(self.scheduler.spec_decode_stats)
-        first_token: dict[str, float] = {}
-        logprobs: dict[str, list] = {r.req_id: [] for r in requests}
-        prompt_logprobs = {
-            r.req_id: [None] * len(r.prompt_token_ids)
-            for r in requests
-            if r.sampling_params.prompt_logprobs is not None
-        }
-        start = time.perf_counter()
-        bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
-        try:
-            while self.core.has_unfinished():
-                step = self.core.step()
-                now = time.perf_counter() - start
-                if step.decode_only:
-                    stats.decode_step_seconds.append(step.seconds)
-                for req_id, _, lp in step.tokens:
-                    stats.output_tokens += 1
-                    first_token.setdefault(req_id, now)
-                    if lp is not None and req_id in logprobs:
-                        logprobs[req_id].append(lp)
-                for req_id, (first, lps) in step.prompt_logprobs.items():
-                    if req_id in prompt_logprobs:  # a restart after preemption: same values
-                        prompt_logprobs[req_id][first : first + len(lps)] = lps
-                bar.update(len(step.finished))
-                stats.steps += 1
-                stats.scheduled_tokens += step.num_scheduled_tokens
-        except BaseException as e:
-            error = self._abort_call(requests, stats.steps + 1, e)
-            if error is None:
-                raise
-            raise error from e
-        finally:
-            bar.close()
-        stats.seconds = time.perf_counter() - start
-        stats.prefix_cache = self.prefix_cache_stats.since(cache_before)
-        stats.spec_decode = self.scheduler.spec_decode_stats.since(spec_before)
-        stats.first_token_seconds = [
-            first_token[r.req_id] for r in requests if r.req_id in first_token
-        ]
+        stats, first_token, logprobs, prompt_logprobs, text = run_until_done(
+            self, requests, use_tqdm
+        )
         self.last_stats = stats
-        return [
-            RequestOutput(
-                request_id=r.req_id,
-                prompt_token_ids=r.prompt_token_ids,
-                token_ids=list(r.output_token_ids),
-                text=self.tokenizer.decode(
-                    r.output_token_ids, skip_special_tokens=r.sampling_params.skip_special_tokens
+        outputs = []
+        for index, (group, prompt) in enumerate(zip(samples, texts, strict=True)):
+            completions = [
+                completion_output(i, r, text.get(r.req_id), logprobs[r.req_id], self.tokenizer)
+                for i, r in enumerate(group)
+            ]
+            first = [first_token[r.req_id] for r in group if r.req_id in first_token]
+            outputs.append(
+                RequestOutput(
+                    request_id=str(index) if len(group) > 1 else group[0].req_id,
+                    prompt=prompt,
+                    prompt_token_ids=group[0].prompt_token_ids,
+                    outputs=completions,
+                    finished=all(c.finished() for c in completions),
+                    prompt_logprobs=prompt_logprobs.get(group[0].req_id),
+                    first_token_seconds=min(first, default=None),
                 )
-                if self.tokenizer
-                else None,
-                finish_reason=r.finish_reason,
-                logprobs=logprobs[r.req_id] if r.sampling_params.logprobs is not None else None,
-                first_token_seconds=first_token.get(r.req_id),
-                prompt_logprobs=prompt_logprobs.get(r.req_id),
             )
-            for r in requests
-        ]
+        return outputs
 
     def make_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         """A request with a fresh id, this model's EOS ids, not yet checked or queued."""
@@ -312,7 +283,7 @@ class LLM:
             eos_token_ids=self.eos_token_ids,
         )
 
-    def _abort_call(
+    def abort_call(
         self, requests: list[Request], step: int, error: BaseException
     ) -> StepFailedError | None:
         """Abort every unfinished request of a failed call (blocks freed; the runner drops them
@@ -356,32 +327,3 @@ class LLM:
             else:
                 out.append([int(t) for t in p])
         return out
-
-
-def _load_tokenizer(model_dir: str, hf_config):
-    if not any(
-        os.path.exists(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer.model")
-    ):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir, config=hf_config)  # else it reads it again
-
-
-def eos_token_ids(model_dir: str, hf_config, tokenizer) -> tuple[int, ...]:
-    """Every id that ends a turn: ``config.json``'s and ``generation_config.json``'s
-    ``eos_token_id`` (an int or a list: Llama 3 Instruct lists ``<|eot_id|>`` there), else
-    the tokenizer's EOS."""
-    from transformers import GenerationConfig
-
-    found: list[int] = []
-    sources = [getattr(hf_config, "eos_token_id", None)]
-    with contextlib.suppress(OSError, ValueError):  # no generation_config.json
-        sources.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
-    for eos in sources:
-        for i in eos if isinstance(eos, list | tuple) else [eos]:
-            if i is not None and int(i) not in found:
-                found.append(int(i))
-    if not found and tokenizer is not None and tokenizer.eos_token_id is not None:
-        found.append(tokenizer.eos_token_id)
-    return tuple(found)
