@@ -233,6 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         help="requests waiting for their first step before new ones get a 503",
     )
+    serve.add_argument(
+        "--disable-access-log",
+        action="store_true",
+        help="no INFO line per request (method, path, status, tokens, seconds)",
+    )
     serve.set_defaults(func=_serve)
 
     from compile_runtime.cache.cli import register as register_cache

@@ -1,7 +1,7 @@
 """The online engine: one step loop per process, requests joining and leaving while it runs.
 
 A background thread owns the ``EngineCore`` (scheduler, executor): it takes new
-requests and aborts from an inbox between steps, runs a step whenever anything
+requests, aborts and stops (a caller's text reached a stop string) from an inbox between steps, runs a step whenever anything
 is unfinished and sleeps otherwise, and hands each request's tokens to its
 ``RequestStream`` as they are sampled. Callers live on an asyncio loop: they
 ``submit`` a request and iterate its stream; leaving the iteration early (a
@@ -44,6 +44,7 @@ class TokenEvent:
 @dataclass
 class FinishEvent:
     reason: str  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string, as vLLM reports
 
 
 @dataclass
@@ -74,6 +75,7 @@ class RequestStream:
 
 
 StepHook = Callable[[StepOutput, "AsyncEngine"], None]
+FinishHook = Callable[[RequestStream, str], None]  # (stream, finish reason), once a request
 
 
 class AsyncEngine:
@@ -89,7 +91,7 @@ class AsyncEngine:
         self._dead: str | None = None
         self.step_hooks: list[StepHook] = []
         self.token_hooks: list[Callable[[RequestStream, float], None]] = []
-        self.abort_hooks: list[Callable[[RequestStream], None]] = []
+        self.finish_hooks: list[FinishHook] = []  # every end: step, stop string, abort
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -118,6 +120,11 @@ class AsyncEngine:
 
     def abort(self, req_id: str) -> None:
         self._inbox.put(("abort", req_id))
+        self._wake.set()
+
+    def stop(self, req_id: str, stop_string: str) -> None:
+        """End a request whose text reached ``stop_string``: finished as "stop", not aborted."""
+        self._inbox.put(("stop", (req_id, stop_string)))
         self._wake.set()
 
     async def events(self, stream: RequestStream) -> AsyncIterator[Event]:
@@ -158,14 +165,24 @@ class AsyncEngine:
                 stream = item
                 self.streams[stream.request.req_id] = stream
                 self.core.add([stream.request])
+                continue
+            req_id, stop_string = item if kind == "stop" else (item, None)
+            stream = self.streams.pop(req_id, None)
+            if stream is None:  # finished already
+                continue
+            if stop_string is None:
+                self.core.abort([req_id])
+                event = FinishEvent("abort")
             else:
-                stream = self.streams.pop(item, None)
-                if stream is not None:
-                    self.core.abort([item])
-                    self._not_waiting(stream)
-                    for hook in self.abort_hooks:
-                        hook(stream)
-                    stream.push(FinishEvent("abort"))
+                self.core.stop({req_id: stop_string})
+                event = FinishEvent("stop", stop_string)
+            self._not_waiting(stream)
+            self._finished(stream, event.reason)
+            stream.push(event)
+
+    def _finished(self, stream: RequestStream, reason: str) -> None:
+        for hook in self.finish_hooks:
+            hook(stream, reason)
 
     def _run(self) -> None:
         try:
@@ -228,7 +245,8 @@ class AsyncEngine:
             stream = self.streams.pop(request.req_id, None)
             if stream is not None:
                 self._not_waiting(stream)
-                event = FinishEvent(request.finish_reason or "stop")
+                event = FinishEvent(request.finish_reason or "stop", request.stop_reason)
+                self._finished(stream, event.reason)
                 batches.setdefault(stream.loop, []).append((stream, event))
 
 

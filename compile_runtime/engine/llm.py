@@ -48,6 +48,7 @@ from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
 from compile_runtime.runner.scheduler import Scheduler
 from compile_runtime.runner.startup import StartupTimes
+from compile_runtime.runner.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -120,17 +121,24 @@ class LLM:
             engine_config, hf_config, distributed_executor_backend
         )
         self.tokenizer = load_tokenizer(model_dir, hf_config)
+        self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
+        vocab_size = getattr(hf_config, "vocab_size", None)
+        grammars = (
+            StructuredOutputManager(self.tokenizer, vocab_size, self.eos_token_ids)
+            if self.tokenizer is not None and vocab_size
+            else None
+        )
         self.scheduler = Scheduler(
             num_blocks=self.executor.num_blocks,
             block_size=runner_config.block_size,
             max_num_seqs=runner_config.max_num_seqs,
             max_num_batched_tokens=runner_config.max_num_batched_tokens,
             max_model_len=runner_config.max_model_len,
-            vocab_size=getattr(hf_config, "vocab_size", None),
+            vocab_size=vocab_size,
             enable_prefix_caching=runner_config.enable_prefix_caching,
+            structured_outputs=grammars,
         )
         self.core = EngineCore(self.scheduler, self.executor)
-        self.eos_token_ids = eos_token_ids(model_dir, hf_config, self.tokenizer)
         self._ids = itertools.count()
         self.last_stats = GenerateStats()
         logger.info(self.startup.summary())

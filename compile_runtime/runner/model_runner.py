@@ -46,6 +46,7 @@ from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
 from compile_runtime.runner.cpu_threads import set_num_threads
 from compile_runtime.runner.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
+from compile_runtime.runner.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.runner.input_batch import InputBatch
 from compile_runtime.runner.kv_sizing import size_runner_config
 from compile_runtime.runner.ngram_proposer import NgramProposer
@@ -78,6 +79,7 @@ class ExecuteModelState:
     runtime_mode: str | None = None
     drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
+    grammar_bitmask: dict[str, Any] | None = None  # structured outputs: rows' allowed tokens
 
 
 class ModelRunner:
@@ -299,6 +301,7 @@ class ModelRunner:
             runtime_mode=mode.name,
             drafts=rows.drafts,
             prompt_logprobs=prompt,
+            grammar_bitmask=so.grammar_bitmask,
         )
 
     def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list]:
@@ -309,6 +312,11 @@ class ModelRunner:
         logprobs: list = []
         if state.logits is not None:
             states = [self.input_batch.requests[r] for r in req_ids]
+            if state.grammar_bitmask:
+                widths = [1 + len(d) for d in state.drafts] if state.drafts else [1] * len(req_ids)
+                starts = np.cumsum([0, *widths[:-1]]).tolist()
+                row_of = dict(zip(req_ids, starts, strict=True))
+                apply_grammar_bitmask(state.logits, row_of, state.grammar_bitmask)
             tokens, logprobs = sample(self.sampler, state.logits, states, state.drafts)
         if self.tp_size > 1:
             width = 1 + max((len(d) for d in state.drafts or []), default=0)

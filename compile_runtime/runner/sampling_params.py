@@ -7,6 +7,37 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+class StructuredOutputsParams(BaseModel):
+    """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
+    schema, any JSON object, a regular expression, one of some strings, or an EBNF grammar.
+    xgrammar enforces it token by token (runner/structured_output.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+
+    # A JSON schema (a dict, or its text); ``json=`` as vLLM spells it.
+    json_schema: dict[str, Any] | str | None = Field(default=None, alias="json")
+    json_object: bool = False  # any JSON object
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # EBNF (xgrammar's dialect, as vLLM takes it)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [
+            name
+            for name in ("json_schema", "regex", "choice", "grammar")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, json_object, regex, choice, "
+                f"grammar; got {given or 'none'}"
+            )
+        if self.choice is not None and not self.choice:
+            raise ValueError("structured_outputs.choice is empty; give at least one string")
+        return self
+
+
 class SamplingParams(BaseModel):
     """Per-request sampling settings, named as vLLM names them. ``temperature == 0`` is greedy."""
 
@@ -39,6 +70,8 @@ class SamplingParams(BaseModel):
     stop: list[str] = Field(default_factory=list)
     include_stop_str_in_output: bool = False
     detokenize: bool = True  # False: token ids only (text None; stop strings need text)
+    # The output must match this constraint (JSON schema, regex, choice, grammar).
+    structured_outputs: StructuredOutputsParams | None = None
 
     @field_validator("top_k", mode="before")
     @classmethod

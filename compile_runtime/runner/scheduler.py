@@ -63,6 +63,7 @@ from compile_runtime.runner.scheduler_output import (
 )
 from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
 from compile_runtime.runner.stop_rules import append_until_stop, capped_drafts
+from compile_runtime.runner.structured_output import StructuredOutputManager, check_constraint
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,10 @@ class Scheduler:
         max_model_len: int | None = None,
         vocab_size: int | None = None,
         enable_prefix_caching: bool = True,
+        structured_outputs: StructuredOutputManager | None = None,
     ) -> None:
-        """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits."""
+        """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits;
+        ``structured_outputs`` holds constrained requests' grammars (None: none admitted)."""
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -121,6 +124,7 @@ class Scheduler:
             vocab_size=vocab_size,
         )
         self.enable_prefix_caching = enable_prefix_caching
+        self.structured_outputs = structured_outputs
         self.prefix_cache_stats = PrefixCacheStats()
         self.spec_decode_stats = SpecDecodeStats()
 
@@ -150,12 +154,21 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.requests[request.req_id] = request
             self.waiting.append(request)
+            if self.structured_outputs is not None:
+                self.structured_outputs.start(request)
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError, naming the request and the fix, for what a step could not run."""
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
         self.admission.check(request)
+        constraint = request.sampling_params.structured_outputs
+        if constraint is not None:
+            if self.structured_outputs is None:
+                raise ValueError(
+                    "structured_outputs needs the model's tokenizer, and this engine has none"
+                )
+            check_constraint(constraint)
 
     def abort_requests(
         self, req_ids: list[str], failed_step: SchedulerOutput | None = None
@@ -183,6 +196,8 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._free_blocks(req)
+            if self.structured_outputs is not None:
+                self.structured_outputs.free(req_id)
             req.status = status
             self._finished_req_ids.add(req_id)
             finished.append(req)
@@ -227,6 +242,8 @@ class Scheduler:
             and budget > 0
         ):
             req = self.waiting[0]
+            if self.structured_outputs is not None and not self.structured_outputs.ready(req):
+                break  # its grammar is still compiling: the running batch goes on
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.block_size
             num_new = self._num_tokens_to_compute(req, num_cached)
@@ -261,7 +278,18 @@ class Scheduler:
             )
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
+        if self.structured_outputs is not None:
+            self._grammar_bitmasks(out)
         return out
+
+    def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
+        """Each constrained request that samples this step: its logits rows' bitmasks."""
+        grammars = self.structured_outputs
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = self.requests[req_id]
+            if grammars.is_constrained(req_id) and req.num_computed_tokens + n >= req.num_tokens:
+                drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+                out.grammar_bitmask[req_id] = grammars.bitmask(req_id, drafts)
 
     def _num_tokens_to_compute(self, req: Request, num_computed: int | None = None) -> int:
         """1 (+ drafts) for a decode; the rest of the prompt (maybe capped) while prefilling."""
@@ -340,6 +368,9 @@ class Scheduler:
                 self.spec_decode_stats.record(len(drafts), len(tokens) - 1)
             # Tokens after a stop are dropped, from the runner's output too.
             status = append_until_stop(req, tokens, logprobs.get(req_id))
+            if self.structured_outputs is not None and tokens:
+                if self.structured_outputs.accept(req_id, tokens) and status is None:
+                    status = RequestStatus.FINISHED_STOPPED  # its grammar has ended
             # Rejected drafts' KV is not computed: those slots are written again later.
             num_rejected = len(drafts) + 1 - len(tokens) if tokens else 0
             req.num_computed_tokens = min(
@@ -357,6 +388,8 @@ class Scheduler:
         return finished
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs.free(req.req_id)
         req.status = status
         self.running.remove(req)
         self._free_blocks(req)

@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.sampling_params import SamplingParams
 
@@ -50,6 +52,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests that ended or were preempted since the last step: drop their state.
     finished_req_ids: set[str] = field(default_factory=set)
+    # req_id -> [1 + drafts, vocab / 32] int32 token bitmask of each logits row of a
+    # constrained request that samples this step (structured outputs).
+    grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -1,8 +1,10 @@
 """``compile-runtime serve``: the FastAPI app, its routes and its lifespan over one ``Server``.
 
-``/v1/completions`` and ``/v1/chat/completions`` (streamed as server-sent events ending
-with ``data: [DONE]``, or whole), ``/v1/models``, ``/health`` and ``/metrics``
-(Prometheus). A failure is an OpenAI-style error body and the server goes on.
+The routes of vLLM's OpenAI server that a client of it uses: ``/v1/completions`` and
+``/v1/chat/completions`` (streamed as server-sent events ending with ``data: [DONE]``, or
+whole), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``,
+``/version`` and ``/metrics`` (Prometheus). A failure is an OpenAI-style error body and
+the server goes on; every request is one access-log line.
 """
 
 from __future__ import annotations
@@ -11,12 +13,26 @@ import asyncio
 import contextlib
 from typing import Any
 
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from compile_runtime.server import tokenization
+from compile_runtime.server.access_log import AccessLog
 from compile_runtime.server.errors import add_error_handlers
 from compile_runtime.server.handlers import Server
-from compile_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from compile_runtime.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from compile_runtime.version import __version__
+
+# vLLM's ModelPermission, as its /v1/models lists it: sampling and logprobs, nothing else.
+PERMISSION = {"object": "model_permission", "created": 0, "allow_create_engine": False,
+              "allow_sampling": True, "allow_logprobs": True, "allow_search_indices": False,
+              "allow_view": True, "allow_fine_tuning": False, "organization": "*",
+              "group": None, "is_blocking": False}  # fmt: skip
 
 
 def build_app(server: Server) -> FastAPI:
@@ -28,7 +44,8 @@ def build_app(server: Server) -> FastAPI:
         finally:
             await asyncio.to_thread(server.stop)  # running requests finish first
 
-    app = FastAPI(title="compile_runtime", lifespan=lifespan)
+    app = FastAPI(title="compile_runtime", version=__version__, lifespan=lifespan)
+    app.add_middleware(AccessLog)
     add_error_handlers(app)
 
     @app.get("/health")
@@ -38,6 +55,14 @@ def build_app(server: Server) -> FastAPI:
             return JSONResponse({"status": "dead"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics() -> Response:
         server.metrics.refresh(server.engine)
@@ -45,25 +70,33 @@ def build_app(server: Server) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": server.model_name,
-                    "object": "model",
-                    "created": server.created,
-                    "owned_by": "compile_runtime",
-                    "max_model_len": server.llm.runner_config.max_model_len,
-                }
-            ],
+        card = {
+            "id": server.model_name,
+            "object": "model",
+            "created": server.created,
+            "owned_by": "compile_runtime",
+            "root": server.model_path,
+            "parent": None,
+            "max_model_len": server.max_model_len,
+            "permission": [PERMISSION | {"id": f"modelperm-{server.model_name}"}],
         }
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest) -> Any:
-        return await server.completions(body)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        return await server.completions(body, request.state.tokens)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest) -> Any:
-        return await server.chat(body)
+    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        return await server.chat(body, request.state.tokens)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        tok = server.llm.tokenizer
+        return tokenization.tokenize(body, tok, server.model_name, server.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        return tokenization.detokenize(body, server.llm.tokenizer, server.model_name)
 
     return app

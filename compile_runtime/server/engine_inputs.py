@@ -1,8 +1,10 @@
 """What an OpenAI request asks of the engine: its prompts as token ids and one
-``SamplingParams`` per choice, every field checked here so a bad one is a 400."""
+``SamplingParams`` per choice, every field checked here so a bad one is a 400 that names
+the field as the user sent it (``max_completion_tokens``, not the engine's ``max_tokens``)."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import ValidationError
@@ -14,69 +16,156 @@ from compile_runtime.server.protocol import ChatMessage, SamplingFields
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
+# Request fields that are SamplingParams' own when set (None: the engine's default).
+OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
+            "presence_penalty", "stop_token_ids")  # fmt: skip
+
+
+def check_model(requested: str | None, model_name: str) -> None:
+    if requested is not None and requested != model_name:
+        raise APIError(400, f"model {requested!r} is not served here; use {model_name!r}", "model")
+
 
 def sampling_params(
     body: SamplingFields,
-    model_name: str,
-    max_tokens: int | None,
+    max_tokens: int,
+    max_field: str,
     logprobs: int | None,
+    logprobs_field: str,
     prompt_logprobs: int | None = None,
 ) -> list[SamplingParams]:
     """One per choice (``n``); a seed goes up by one from each choice to the next."""
-    if body.model != model_name:
-        raise APIError(400, f"model {body.model!r} is not served here; use {model_name!r}", "model")
     bias: dict[int, float] = {}
     for key, value in (body.logit_bias or {}).items():
         try:
             bias[int(key)] = value
         except ValueError:
-            raise APIError(400, f"logit_bias key {key!r} is not a token id", "logit_bias") from None
+            raise APIError(
+                400, f"logit_bias: key {key!r} is not a token id", "logit_bias"
+            ) from None
+    fields = {name: getattr(body, name) for name in OPTIONAL if getattr(body, name) is not None}
     try:
         return [
             SamplingParams(
-                temperature=body.temperature,
-                top_p=body.top_p,
-                top_k=body.top_k,
+                **fields,
                 max_tokens=max_tokens,
-                seed=None if body.seed is None else body.seed + i,
-                frequency_penalty=body.frequency_penalty,
-                presence_penalty=body.presence_penalty,
-                repetition_penalty=body.repetition_penalty,
                 min_tokens=body.min_tokens,
+                seed=None if body.seed is None else body.seed + i,
+                stop=body.stop_strings(),
+                include_stop_str_in_output=body.include_stop_str_in_output,
+                skip_special_tokens=body.skip_special_tokens,
+                ignore_eos=body.ignore_eos,
                 logit_bias=bias,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
-                ignore_eos=body.ignore_eos,
             )
-            for i in range(body.n)
+            for i in range(body.num_choices)
         ]
     except ValidationError as e:
-        raise APIError(400, str(e).splitlines()[-1].strip()) from None
+        renamed = {"max_tokens": max_field, "logprobs": logprobs_field}
+        raise _as_api_error(e, renamed, body) from None
 
 
-def prompt_token_ids(prompt: Any, tokenizer: Any) -> list[list[int]]:
+def _as_api_error(e: ValidationError, renamed: dict[str, str], body: SamplingFields) -> APIError:
+    """SamplingParams' complaint, in the request's field names."""
+    first = e.errors()[0]
+    message = first["msg"].removeprefix("Value error, ")
+    if first["loc"]:
+        param = renamed.get(str(first["loc"][0]), str(first["loc"][0]))
+        return APIError(400, f"{param}: {message} (got {first['input']!r})", param)
+    # A rule across fields (min_tokens > max_tokens): the first field its message names.
+    named = [
+        (m.start(), f) for f in type(body).model_fields if (m := re.search(rf"\b{f}\b", message))
+    ]
+    param = renamed.get(min(named)[1], min(named)[1]) if named else None
+    return APIError(400, message, param)
+
+
+def check_length(
+    prompt_len: int, max_tokens: int, max_model_len: int, prompt_field: str, max_field: str
+) -> None:
+    """A prompt, or prompt plus output, past ``max_model_len``: a 400 naming the field."""
+    if prompt_len >= max_model_len:
+        raise APIError(
+            400,
+            f"{prompt_field}: the prompt is {prompt_len} tokens, and this model's maximum "
+            f"context length is {max_model_len} tokens for prompt and output together; "
+            "shorten the prompt",
+            prompt_field,
+        )
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(
+            400,
+            f"{max_field}: {max_tokens} output tokens after a prompt of {prompt_len} make "
+            f"{prompt_len + max_tokens}, past this model's maximum context length of "
+            f"{max_model_len} tokens; lower {max_field} to {max_model_len - prompt_len} or "
+            "less, or shorten the prompt",
+            max_field,
+        )
+
+
+def prompt_token_ids(
+    prompt: Any, tokenizer: Any, add_special_tokens: bool = True
+) -> list[list[int]]:
     """A completion's prompt (text, ids, or a list of either) as a list of id lists."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     if not prompt:
-        raise APIError(400, "prompt is empty", "prompt")
+        raise APIError(400, "prompt: the prompt is empty", "prompt")
     out = []
     for p in prompt:
         if isinstance(p, str):
             if tokenizer is None:
-                raise APIError(400, "this model has no tokenizer: send token ids", "prompt")
-            out.append(tokenizer(p)["input_ids"])
+                raise APIError(400, "prompt: this model has no tokenizer: send token ids", "prompt")
+            out.append(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"])
         else:
             out.append(list(p))
     return out
 
 
-def chat_token_ids(messages: list[ChatMessage], tokenizer: Any) -> list[int]:
-    """The messages through the model's chat template, ready for the assistant's answer."""
+def chat_token_ids(
+    messages: list[ChatMessage],
+    tokenizer: Any,
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_special_tokens: bool | None = None,
+) -> list[int]:
+    """The messages through the model's chat template (text parts only)."""
+    for i, m in enumerate(messages):
+        for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+            if part.get("type", "text") != "text":
+                where = f"messages.{i}.content.{j}"
+                raise APIError(
+                    400, f"{where}: a {part['type']!r} part; only text is supported", where
+                )
+    if continue_final_message and add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message: it continues the last message, so it needs "
+            "add_generation_prompt=false",
+            "continue_final_message",
+        )
+    if add_special_tokens:
+        raise APIError(
+            400,
+            "add_special_tokens: true is not supported with messages; the chat template adds "
+            "the special tokens",
+            "add_special_tokens",
+        )
+    kwargs = dict(chat_template_kwargs or {})
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
     plain = [m.model_dump(exclude_none=True) for m in messages]
     try:
-        return chat_prompt_ids(plain, tokenizer)
+        return chat_prompt_ids(
+            plain,
+            tokenizer,
+            add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=kwargs,
+        )
     except ChatTemplateError as e:
-        raise APIError(400, str(e), "messages") from None
+        raise APIError(400, f"messages: {e}", "messages") from None

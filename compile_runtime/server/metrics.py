@@ -62,7 +62,12 @@ class ServerMetrics:
         self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
-        engine.abort_hooks.append(lambda stream: self.requests.labels(finish_reason="abort").inc())
+        engine.finish_hooks.append(self.on_finish)
+
+    def on_finish(self, stream: RequestStream, reason: str) -> None:
+        """Each request once, by how it ended: "stop" (EOS, stop token or stop string),
+        "length" or "abort" (its client went away)."""
+        self.requests.labels(finish_reason=reason).inc()
 
     def on_token(self, stream: RequestStream, now: float) -> None:
         if stream.first_token_at is None:
@@ -77,8 +82,6 @@ class ServerMetrics:
         self.waiting.set(engine.num_waiting)
         self.kv_blocks.set(engine.core.num_blocks_in_use)
         self.steps.labels(mode=out.runtime_mode or "NONE").inc()
-        for request in out.finished:
-            self.requests.labels(finish_reason=request.finish_reason or "stop").inc()
 
     def refresh(self, engine: AsyncEngine) -> None:
         """Values that change between steps too (an abort frees blocks with no step after)."""

@@ -1,5 +1,5 @@
 """The OpenAI response bodies: the envelope (one id per call), each endpoint's choice and
-stream-chunk shapes, usage and completion logprobs."""
+stream-chunk shapes (with vLLM's ``stop_reason`` and ``token_ids``) and usage."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from compile_runtime.server import logprobs
 from compile_runtime.server.choice import Choice
 
 Envelope = Callable[..., dict]
@@ -17,13 +18,14 @@ def envelope(prefix: str, model_name: str) -> Envelope:
     """``make(object, choices, usage=None)``: a response body with this call's id."""
     rid, created = f"{prefix}-{uuid.uuid4().hex}", int(time.time())
 
-    def make(obj: str, choices_json: list[dict], usage: dict | None = None) -> dict:
+    def make(obj: str, choices_json: list[dict], usage: dict | None = None, **extra) -> dict:
         out = {
             "id": rid,
             "object": obj,
             "created": created,
             "model": model_name,
             "choices": choices_json,
+            **extra,
         }
         if usage is not None:
             out["usage"] = usage
@@ -42,27 +44,6 @@ def usage(prompts: list[list[int]], choices: list[Choice]) -> dict[str, int]:
     }
 
 
-def completion_logprobs(choice: Choice, tokenizer: Any, echo: bool = False) -> dict | None:
-    """OpenAI's logprobs object; with ``echo`` the prompt's tokens come first (the first
-    without a logprob: nothing precedes it)."""
-    if not choice.logprobs:
-        return None
-
-    def text(t: int) -> str:
-        return tokenizer.decode([t]) if tokenizer is not None else str(t)
-
-    token_ids, entries = list(choice.token_ids), list(choice.logprobs)
-    if echo:
-        token_ids = choice.stream.request.prompt_token_ids + token_ids
-        entries = (choice.stream.prompt_logprobs or []) + entries
-    return {
-        "tokens": [text(t) for t in token_ids],
-        "token_logprobs": [None if lp is None else lp[0] for lp in entries],
-        "top_logprobs": [None if lp is None else {text(t): v for t, v in lp[1]} for lp in entries],
-        "text_offset": [],
-    }
-
-
 def prompt_text(prompt: Any, prompts: list[list[int]], index: int, tokenizer: Any) -> str:
     """Prompt ``index`` as the client sent it (text), or its ids decoded (``echo``)."""
     if isinstance(prompt, str):
@@ -73,34 +54,56 @@ def prompt_text(prompt: Any, prompts: list[list[int]], index: int, tokenizer: An
     return tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else ""
 
 
-def completion_choice(choice: Choice, text: str, logprobs: dict | None) -> dict:
+def completion_choice(choice: Choice, text: str, lps: dict | None, **extra) -> dict:
     return {
         "index": choice.index,
         "text": text,
-        "logprobs": logprobs,
+        "logprobs": lps,
         "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
+        "token_ids": choice.token_ids,
+        **extra,
+    }
+
+
+def completion_chunk_choice(
+    choice: Choice, piece: str, finish: str | None, tokenizer: Any, k: int | None
+) -> dict:
+    """A text piece and the tokens since the last chunk (with their logprobs when asked)."""
+    ids, entries = choice.new_tokens()
+    lps = None
+    if k is not None:
+        lps, choice.text_offset = logprobs.completion_logprobs(
+            ids, entries, tokenizer, k, choice.text_offset
+        )
+    return {"index": choice.index, "text": piece, "logprobs": lps, "finish_reason": finish,
+            "stop_reason": choice.stop_reason if finish else None, "token_ids": ids}  # fmt: skip
+
+
+def chat_choice(choice: Choice, tokenizer: Any, k: int | None) -> dict:
+    lps = (
+        None
+        if k is None
+        else logprobs.chat_logprobs(choice.token_ids, choice.logprobs, tokenizer, k)
+    )
+    return {
+        "index": choice.index,
+        "message": {"role": "assistant", "content": choice.text},
+        "logprobs": lps,
+        "finish_reason": choice.finish_reason,
+        "stop_reason": choice.stop_reason,
         "token_ids": choice.token_ids,
     }
 
 
-def completion_chunk_choice(choice: Choice, piece: str, finish: str | None) -> dict:
-    return {"index": choice.index, "text": piece, "logprobs": None,
-            "finish_reason": finish, "token_ids": choice.new_token_ids()}  # fmt: skip
-
-
-def chat_choice(choice: Choice) -> dict:
-    return {
-        "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
-        "finish_reason": choice.finish_reason,
-        "logprobs": None,
-    }
-
-
-def chat_chunk_choice(choice: Choice, piece: str, finish: str | None, first: bool) -> dict:
-    """A chat delta; a choice's first one names the role."""
-    choice.new_token_ids()
+def chat_chunk_choice(
+    choice: Choice, piece: str, finish: str | None, first: bool, tokenizer: Any, k: int | None
+) -> dict:
+    """A chat delta and its tokens' logprobs; a choice's first one names the role."""
+    ids, entries = choice.new_tokens()
     delta: dict[str, Any] = {"content": piece}
     if first:
         delta["role"] = "assistant"
-    return {"index": choice.index, "delta": delta, "finish_reason": finish}
+    lps = None if k is None else logprobs.chat_logprobs(ids, entries, tokenizer, k)
+    return {"index": choice.index, "delta": delta, "logprobs": lps, "finish_reason": finish,
+            "stop_reason": choice.stop_reason if finish else None, "token_ids": ids}  # fmt: skip

@@ -1,4 +1,9 @@
-"""The OpenAI request bodies the server takes (unknown fields are a 400, never ignored)."""
+"""The request bodies the server takes, as vLLM's OpenAI server takes them: OpenAI's fields
+and vLLM's sampling extras. Fields outside these are kept (``model_extra``) for
+``unsupported.py`` to judge: a 400 where the engine cannot honour one, else a warning.
+
+A value's range is checked once, by ``SamplingParams``; these models check types.
+"""
 
 from __future__ import annotations
 
@@ -7,53 +12,93 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="allow")
 
 
-class StreamOptions(StrictModel):
-    include_usage: bool = False
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage in every chunk
 
 
-class SamplingFields(StrictModel):
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0)  # not OpenAI's, as vLLM takes it
+class SamplingFields(OpenAIModel):
+    model: str | None = None  # None: the served model, as vLLM takes it
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
-    n: int = Field(1, ge=1, le=16)
-    stream: bool = False
+    n: int | None = Field(1, ge=1)
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
-    ignore_eos: bool = False  # not OpenAI's, as vLLM takes it (benchmarks need fixed lengths)
-    repetition_penalty: float = Field(1.0, gt=0.0)  # not OpenAI's, as vLLM takes it
-    min_tokens: int = Field(0, ge=0)  # not OpenAI's, as vLLM takes it
+    # vLLM's sampling extras.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)
+    add_special_tokens: bool | None = None  # None: the endpoint's default
+
+    @property
+    def num_choices(self) -> int:
+        return self.n or 1
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:
             return []
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
+    @property
+    def want_usage(self) -> bool:
+        """Usage in the stream: a last chunk (``include_usage``) or every chunk."""
+        o = self.stream_options
+        return o is not None and bool(o.include_usage or o.continuous_usage_stats)
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = False
+    echo: bool | None = False
 
 
-class ChatMessage(StrictModel):
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]]
+class ChatMessage(OpenAIModel):
+    """One message; fields past these (``tool_calls``, ``tool_call_id``) go to the template."""
+
+    role: Literal["system", "user", "assistant", "tool", "developer", "function"]
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(OpenAIModel):
+    """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool | None = False
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[int]

@@ -17,8 +17,13 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
     from compile_runtime.server.handlers import Server
 
     server = Server(
-        llm, model_name=args.served_model_name or args.model, max_waiting=args.max_waiting
+        llm,
+        model_name=args.served_model_name or args.model,
+        model_path=args.model,
+        max_waiting=args.max_waiting,
     )
+    if not args.disable_access_log:  # one INFO line per request (access_log.py)
+        logging.getLogger("compile_runtime.server.access").setLevel(logging.INFO)
     app = build_app(server)
     config = uvicorn.Config(
         app,

@@ -1,6 +1,7 @@
 """Following the choices' requests on the engine: to their end (a whole response) or as
 server-sent events, one per sampled token, ending with ``data: [DONE]``. A stop string
-ends its request; a client that goes away aborts its requests (their KV blocks freed)."""
+ends its request as "stop"; a client that goes away aborts its requests (their KV blocks
+freed)."""
 
 from __future__ import annotations
 
@@ -24,16 +25,12 @@ async def updates(engine: AsyncEngine, choice: Choice) -> AsyncIterator[bool]:
     async for event in engine.events(choice.stream):
         if isinstance(event, TokenEvent):
             choice.add(event)
-            if choice.finish_reason == "stop":  # a stop string: this request is done
-                engine.abort(choice.stream.request.req_id)
+            if choice.finish_reason == "stop":  # a stop string: the request ends as "stop"
+                engine.stop(choice.stream.request.req_id, choice.stop_reason)
                 break
             yield False
         elif isinstance(event, FinishEvent):
-            choice.flush()
-            if choice.finish_reason != "stop":
-                choice.finish_reason = {"length": "length", "abort": "abort"}.get(
-                    event.reason, "stop"
-                )
+            choice.finish(event)
         elif isinstance(event, ErrorEvent):
             raise APIError(500, event.message)
     yield True

@@ -1,0 +1,156 @@
+"""Structured outputs: the real model's outputs match their JSON schema, regex or choice; free
+requests sharing the batch are untouched; speculation gives the same greedy tokens; a bad
+constraint is an error naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compile_runtime as cr
+from compile_runtime.runner.grammar_bitmask import apply_grammar_bitmask
+from compile_runtime.runner.sampling_params import StructuredOutputsParams as Constraint
+from compile_runtime.testing.smollm2 import smollm2_gguf
+
+CITY = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "country": {"type": "string", "maxLength": 20},
+    },
+    "required": ["city", "country"],
+}
+ASK = [{"role": "user", "content": "Give me the capital of France as JSON."}]
+
+
+def constrained(constraint: Constraint, **kw) -> cr.SamplingParams:
+    return cr.SamplingParams(
+        temperature=0, max_tokens=kw.pop("max_tokens", 96), structured_outputs=constraint, **kw
+    )
+
+
+@pytest.fixture(scope="module")
+def llm():
+    engine = cr.LLM(smollm2_gguf(), dtype="float32")
+    yield engine
+    engine.shutdown()
+
+
+def test_a_json_schema_output_parses_and_validates(llm):
+    (out,) = llm.chat(ASK, constrained(Constraint(json=CITY)), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.finish_reason == "stop"
+    value = json.loads(c.text)
+    jsonschema.validate(value, CITY)
+    assert value["city"] == "Paris"
+    free = llm.chat(ASK, cr.SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)[0]
+    assert not free.outputs[0].text.lstrip().startswith("{")  # the constraint made the JSON
+
+
+def test_regex_choice_and_json_object(llm):
+    phone = Constraint(regex=r"[0-9]{3}-[0-9]{4}")
+    sampled = cr.SamplingParams(
+        temperature=0.9, seed=3, max_tokens=20, structured_outputs=phone, top_p=0.9
+    )
+    (out,) = llm.generate("My phone number is", sampled, use_tqdm=False)
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text) and out.finish_reason == "stop"
+    yes_no = Constraint(choice=["yes", "no"])
+    question = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
+    (answer,) = llm.chat(question, constrained(yes_no), use_tqdm=False)
+    assert answer.outputs[0].text in {"yes", "no"}
+    one_key = [
+        {"role": "user", "content": "Answer as a JSON object with one key 'capital': what is "
+         "the capital of France?"}
+    ]  # fmt: skip
+    (obj,) = llm.chat(one_key, constrained(Constraint(json_object=True)), use_tqdm=False)
+    assert json.loads(obj.outputs[0].text) == {"capital": "Paris"}
+
+
+def test_free_requests_in_a_constrained_batch_get_the_same_tokens(llm):
+    free = cr.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = llm.generate(["The capital of France is"], free, use_tqdm=False)[0].token_ids
+    mixed = llm.generate(
+        ["The capital of France is", "Answer in JSON:", "Phone:"],
+        [free, constrained(Constraint(json=CITY)), constrained(Constraint(regex=r"[0-9]{7}"))],
+        use_tqdm=False,
+    )
+    assert mixed[0].token_ids == alone
+    jsonschema.validate(json.loads(mixed[1].text), CITY)
+    assert re.fullmatch(r"[0-9]{7}", mixed[2].text)
+
+
+def test_speculation_gives_the_same_constrained_tokens():
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with cr.LLM(smollm2_gguf(), dtype="float32", speculative_config=ngram) as spec:
+        prompt = [{"role": "user", "content": "List three French cities as a JSON array."}]
+        schema = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+        params = constrained(Constraint(json=schema), max_tokens=64)
+        got = spec.chat([prompt, ASK], [params, constrained(Constraint(json=CITY))])
+        proposed = spec.last_stats.spec_decode.num_draft_tokens
+    with cr.LLM(smollm2_gguf(), dtype="float32") as plain:
+        want = plain.chat([prompt, ASK], [params, constrained(Constraint(json=CITY))])
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert proposed > 0  # drafts were proposed and verified under the grammar
+    jsonschema.validate(json.loads(got[0].text), schema)
+
+
+SIMPLE_FIELDS = st.sampled_from(
+    [
+        {"type": "integer", "minimum": 0, "maximum": 100},
+        {"type": "boolean"},
+        {"type": "string", "maxLength": 8},
+        {"enum": ["red", "green", "blue"]},
+    ]
+)
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    fields=st.dictionaries(
+        st.sampled_from(["name", "age", "color", "ok", "size"]),
+        SIMPLE_FIELDS,
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_outputs_validate_against_simple_schemas(llm, fields):
+    schema = {"type": "object", "properties": fields, "required": sorted(fields)}
+    prompt = [{"role": "user", "content": f"Describe a cat as JSON with {', '.join(fields)}."}]
+    (out,) = llm.chat(prompt, constrained(Constraint(json=schema), max_tokens=128), use_tqdm=False)
+    assert out.finish_reason == "stop", out.outputs[0].text
+    jsonschema.validate(json.loads(out.outputs[0].text), schema)
+
+
+def test_a_bad_constraint_is_an_error_naming_it(llm):
+    with pytest.raises(ValueError, match=r"structured_outputs\.json is not valid.*objectz"):
+        llm.generate("x", constrained(Constraint(json='{"type": "objectz"}')))
+    with pytest.raises(ValueError, match=r"structured_outputs\.json is not valid"):
+        llm.generate("x", constrained(Constraint(json="{not json")))
+    with pytest.raises(ValueError, match=r"structured_outputs\.regex is not valid"):
+        llm.generate("x", constrained(Constraint(regex="[unclosed")))
+    with pytest.raises(ValueError, match="exactly one of"):
+        Constraint(regex="a", choice=["a"])
+    with pytest.raises(ValueError, match="choice is empty"):
+        Constraint(choice=[])
+    assert llm.scheduler.requests == {}  # nothing was queued
+
+
+def test_the_bitmask_masks_exactly_the_disallowed_tokens():
+    logits = torch.randn(5, 70)
+    allowed = torch.rand(2, 70) < 0.3
+    words = np.zeros((2, 3), dtype=np.int32)
+    for r, t in allowed.nonzero().tolist():
+        words[r, t // 32] |= np.int32(1 << (t % 32)) if t % 32 != 31 else np.int32(-(2**31))
+    expected = logits.clone()
+    expected[2:4][~allowed] = float("-inf")
+    apply_grammar_bitmask(logits, {"a": 2, "b": 0}, {"a": words})
+    torch.testing.assert_close(logits, expected)
