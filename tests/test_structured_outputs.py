@@ -154,3 +154,19 @@ def test_the_bitmask_masks_exactly_the_disallowed_tokens():
     expected[2:4][~allowed] = float("-inf")
     apply_grammar_bitmask(logits, {"a": 2, "b": 0}, {"a": words})
     torch.testing.assert_close(logits, expected)
+
+
+def test_grammars_survive_preemption_and_serve_each_sample(llm):
+    prompts = [ASK] * 6
+    params = constrained(Constraint(json=CITY))
+    want = [o.token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+    with cr.LLM(smollm2_gguf(), dtype="float32", num_gpu_blocks_override=12) as small:
+        got = small.chat(prompts, params, use_tqdm=False)
+        assert small.scheduler.num_preemptions > 0  # requests were preempted and resumed
+        sampled = cr.SamplingParams(
+            n=3, temperature=1.0, seed=5, max_tokens=96, structured_outputs=Constraint(json=CITY)
+        )
+        (three,) = small.chat(ASK, sampled, use_tqdm=False)
+    assert [o.token_ids for o in got] == want
+    for c in three.outputs:
+        jsonschema.validate(json.loads(c.text), CITY)
