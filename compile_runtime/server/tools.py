@@ -1,0 +1,88 @@
+"""Tool calls that the grammar guarantees: ``tool_choice="required"`` or a named function.
+
+The output is constrained to JSON matching the tools' parameter schemas (works for any model,
+as vLLM does it), then parsed into OpenAI's ``tool_calls``. ``tool_choice="auto"`` would
+need the model family's own tool-call format parsed out of free text: it is refused with a
+400 naming what works instead, never silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+from compile_runtime.runner.sampling_params import StructuredOutputsParams
+from compile_runtime.server.structured import ConstraintError
+
+
+def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out = {}
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if tool.get("type", "function") == "function" else None
+        if not function or not function.get("name"):
+            raise ConstraintError(f"tools[{i}] is not a function with a name", "tools")
+        out[function["name"]] = function.get("parameters") or {"type": "object"}
+    return out
+
+
+def tool_constraint(
+    tools: list[dict[str, Any]] | None, tool_choice: Any
+) -> tuple[StructuredOutputsParams | None, str | None]:
+    """(the constraint, the forced function's name or None for "required"); (None, None)
+    when the request asks for no tool call."""
+    if not tools or tool_choice in (None, "none"):
+        if tool_choice not in (None, "none", "auto"):
+            raise ConstraintError("tool_choice names a tool but no tools were sent", "tools")
+        return None, None
+    functions = _functions(tools)
+    if tool_choice == "auto":
+        raise ConstraintError(
+            "tool_choice='auto' needs this model family's tool-call format parsed out of free "
+            "text, which this server does not do; send tool_choice='required' or "
+            '{"type": "function", "function": {"name": ...}} (the arguments are then '
+            "guaranteed by the tool's JSON schema), or tool_choice='none'",
+            "tool_choice",
+        )
+    if tool_choice == "required":
+        calls = {
+            "type": "array",
+            "minItems": 1,
+            "items": {
+                "anyOf": [
+                    {
+                        "type": "object",
+                        "properties": {"name": {"enum": [name]}, "parameters": schema},
+                        "required": ["name", "parameters"],
+                    }
+                    for name, schema in functions.items()
+                ]
+            },
+        }
+        return StructuredOutputsParams(json=calls), None
+    name = (
+        (tool_choice.get("function") or {}).get("name") if isinstance(tool_choice, dict) else None
+    )
+    if name not in functions:
+        raise ConstraintError(
+            f"tool_choice names {name!r}, which is not among the tools ({sorted(functions)})",
+            "tool_choice",
+        )
+    return StructuredOutputsParams(json=functions[name]), name
+
+
+def tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` from the constrained output (a list of calls, or one function's
+    arguments when ``forced`` names it)."""
+    value = json.loads(text)
+    calls = (
+        [(forced, value)] if forced is not None else [(c["name"], c["parameters"]) for c in value]
+    )
+    return [
+        {
+            "id": f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments)},
+        }
+        for name, arguments in calls
+    ]
