@@ -23,19 +23,22 @@ def chat_prompt_ids(
     *,
     add_generation_prompt: bool = True,
     chat_template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """``messages`` (``{"role": ..., "content": ...}``) rendered and tokenized by the template."""
+    """``messages`` (``{"role": ..., "content": ...}``, assistant ``tool_calls`` and ``tool``
+    messages too) rendered and tokenized by the template; ``tools`` go to it as well."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise ChatTemplateError(
             "this model has no chat template (tokenizer_config.json chat_template); "
             "send a plain prompt instead (LLM.generate, /v1/completions)"
         )
-    plain = [{**m, "content": message_text(m.get("content", ""))} for m in messages]
+    plain = [{**m, "content": message_text(m.get("content") or "")} for m in messages]
     try:
         ids = tokenizer.apply_chat_template(
             plain,
             add_generation_prompt=add_generation_prompt,
             tokenize=True,
+            **({"tools": tools} if tools else {}),
             **(chat_template_kwargs or {}),
         )
     except Exception as e:  # noqa: BLE001 - a template error is the messages' problem

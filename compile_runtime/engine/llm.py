@@ -211,9 +211,11 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or a list of them,
-        each through the model's chat template, as vLLM's ``LLM.chat``."""
+        each through the model's chat template (with ``tools``, for templates that take
+        them), as vLLM's ``LLM.chat``."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         token_lists = [
             chat_prompt_ids(
@@ -221,6 +223,7 @@ class LLM:
                 self.tokenizer,
                 add_generation_prompt=add_generation_prompt,
                 chat_template_kwargs=chat_template_kwargs,
+                tools=tools,
             )
             for c in conversations
         ]
