@@ -1,12 +1,13 @@
 """The online engine: one step loop per process, requests joining and leaving while it runs.
 
 A background thread owns the ``EngineCore`` (scheduler, executor): it takes new
-requests, aborts and stops (a caller's text reached a stop string) from an inbox between steps, runs a step whenever anything
-is unfinished and sleeps otherwise, and hands each request's tokens to its
-``RequestStream`` as they are sampled. Callers live on an asyncio loop: they
-``submit`` a request and iterate its stream; leaving the iteration early (a
-client that went away) aborts the request, which frees its KV blocks at the
-next turn of the loop. Requests waiting for their first step are counted, and
+requests, aborts and stops (a caller's text reached a stop string: the request ends as
+"stop") from an inbox between steps, runs a step whenever anything is unfinished and
+sleeps otherwise, and hands each request's tokens to its ``RequestStream`` as they are
+sampled; every end of a request reaches the ``finish_hooks`` once, with its reason.
+Callers live on an asyncio loop: they ``submit`` a request and iterate its stream; leaving
+the iteration early (a client that went away) aborts the request, which frees its KV
+blocks at the next turn of the loop. Requests waiting for their first step are counted, and
 past ``max_waiting`` a new one is refused (``EngineOverloadedError``) instead of
 queueing without bound.
 """

@@ -1,15 +1,23 @@
-"""The OpenAI-compatible HTTP server (``compile-runtime serve``) on the online engine.
+"""The OpenAI-compatible HTTP server (``compile-runtime serve``) on the online engine, a drop-in
+for vLLM's OpenAI server.
 
 In the order a request goes through it:
 
 * ``run.py``: ``serve``, uvicorn on the app; SIGTERM lets running requests finish.
 * ``app.py``: the FastAPI app, its routes and lifespan.
-* ``protocol.py``: the request bodies (pydantic; an unknown field is a 400).
-* ``handlers.py``: ``Server``, the engine and the completion and chat handlers.
+* ``access_log.py``: one INFO line per request (status, tokens, seconds).
+* ``protocol.py``: the request bodies (pydantic), OpenAI's fields and vLLM's extras.
+* ``unsupported.py``: fields outside them: a 400 naming one the engine cannot honour, else
+  one warning naming the unknown ones.
+* ``completions.py``, ``chat_completions.py``: the two generating endpoints.
+* ``structured.py``, ``tools.py``: structured-output fields and forced tool calls as one
+  output constraint; the constrained output as ``tool_calls``.
+* ``tokenization.py``: ``/tokenize`` and ``/detokenize``.
 * ``engine_inputs.py``: a request as prompt token ids and one ``SamplingParams`` per choice.
+* ``handlers.py``: ``Server``, the engine, and the one way a call's requests reach it.
 * ``streaming.py``: following the choices' requests, whole or as server-sent events.
 * ``choice.py``: one choice's text, detokenized incrementally and cut at stop strings.
-* ``openai_format.py``: the response bodies and stream chunks.
-* ``errors.py``: OpenAI-shaped error bodies and the app's error handlers.
+* ``openai_format.py``: the response bodies and stream chunks; ``logprobs.py`` their logprobs.
+* ``errors.py``: OpenAI-shaped error bodies and the app's error handlers, on every path.
 * ``metrics.py``: the Prometheus ``/metrics``.
 """

@@ -18,6 +18,8 @@ from fastapi.responses import JSONResponse, Response
 
 from compile_runtime.server import tokenization
 from compile_runtime.server.access_log import AccessLog
+from compile_runtime.server.chat_completions import chat as chat_completions
+from compile_runtime.server.completions import completions as text_completions
 from compile_runtime.server.errors import add_error_handlers
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import (
@@ -84,11 +86,11 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        return await server.completions(body, request.state.tokens)
+        return await text_completions(server, body, request.state.tokens)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
-        return await server.chat(body, request.state.tokens)
+        return await chat_completions(server, body, request.state.tokens)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

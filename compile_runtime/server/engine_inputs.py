@@ -10,15 +10,17 @@ from typing import Any
 from pydantic import ValidationError
 
 from compile_runtime.engine.chat import ChatTemplateError, chat_prompt_ids
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.runner.sampling_params import SamplingParams, StructuredOutputsParams
 from compile_runtime.server.errors import APIError
-from compile_runtime.server.protocol import ChatMessage, SamplingFields
+from compile_runtime.server.protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
+from compile_runtime.server.structured import GUIDED, ConstraintError, constraint_of
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default for /v1/completions
 
 # Request fields that are SamplingParams' own when set (None: the engine's default).
 OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "frequency_penalty",
             "presence_penalty", "stop_token_ids")  # fmt: skip
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
 def check_model(requested: str | None, model_name: str) -> None:
@@ -33,6 +35,7 @@ def sampling_params(
     logprobs: int | None,
     logprobs_field: str,
     prompt_logprobs: int | None = None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> list[SamplingParams]:
     """One per choice (``n``); a seed goes up by one from each choice to the next."""
     bias: dict[int, float] = {}
@@ -58,6 +61,7 @@ def sampling_params(
                 logit_bias=bias,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs,
             )
             for i in range(body.num_choices)
         ]
@@ -89,7 +93,8 @@ def check_length(
         raise APIError(
             400,
             f"{prompt_field}: the prompt is {prompt_len} tokens, and this model's maximum "
-            f"context length is {max_model_len} tokens for prompt and output together; "
+            f"context length (max_model_len) is {max_model_len} tokens for prompt and output "
+            "together; "
             "shorten the prompt",
             prompt_field,
         )
@@ -97,9 +102,9 @@ def check_length(
         raise APIError(
             400,
             f"{max_field}: {max_tokens} output tokens after a prompt of {prompt_len} make "
-            f"{prompt_len + max_tokens}, past this model's maximum context length of "
-            f"{max_model_len} tokens; lower {max_field} to {max_model_len - prompt_len} or "
-            "less, or shorten the prompt",
+            f"{prompt_len + max_tokens}, past this model's maximum context length "
+            f"(max_model_len) of {max_model_len} tokens; lower {max_field} to "
+            f"{max_model_len - prompt_len} or less, or shorten the prompt",
             max_field,
         )
 
@@ -126,46 +131,50 @@ def prompt_token_ids(
 
 
 def chat_token_ids(
-    messages: list[ChatMessage],
+    body: ChatCompletionRequest | TokenizeRequest,
     tokenizer: Any,
-    *,
-    add_generation_prompt: bool = True,
-    continue_final_message: bool = False,
-    chat_template_kwargs: dict[str, Any] | None = None,
-    add_special_tokens: bool | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
-    """The messages through the model's chat template (text parts only)."""
-    for i, m in enumerate(messages):
+    """The messages through the model's chat template (text parts only), ``tools`` too."""
+    for i, m in enumerate(body.messages):
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
             if part.get("type", "text") != "text":
                 where = f"messages.{i}.content.{j}"
-                raise APIError(
-                    400, f"{where}: a {part['type']!r} part; only text is supported", where
-                )
-    if continue_final_message and add_generation_prompt:
+                message = f"{where}: a {part['type']!r} part; only text is supported"
+                raise APIError(400, message, where)
+    if body.continue_final_message and body.add_generation_prompt:
         raise APIError(
             400,
             "continue_final_message: it continues the last message, so it needs "
             "add_generation_prompt=false",
             "continue_final_message",
         )
-    if add_special_tokens:
+    if body.add_special_tokens:
         raise APIError(
             400,
             "add_special_tokens: true is not supported with messages; the chat template adds "
             "the special tokens",
             "add_special_tokens",
         )
-    kwargs = dict(chat_template_kwargs or {})
-    if continue_final_message:
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.continue_final_message:
         kwargs["continue_final_message"] = True
-    plain = [m.model_dump(exclude_none=True) for m in messages]
+    plain = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         return chat_prompt_ids(
             plain,
             tokenizer,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=body.add_generation_prompt,
             chat_template_kwargs=kwargs,
+            tools=tools,
         )
     except ChatTemplateError as e:
         raise APIError(400, f"messages: {e}", "messages") from None
+
+
+def output_constraint(body: SamplingFields) -> StructuredOutputsParams | None:
+    """What the output must match, from whichever spelling the request used (structured.py)."""
+    try:
+        return constraint_of(body.model_dump(include=set(STRUCTURED_FIELDS), exclude_none=True))
+    except ConstraintError as e:
+        raise APIError(400, str(e), e.param) from None

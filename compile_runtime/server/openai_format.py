@@ -80,17 +80,17 @@ def completion_chunk_choice(
             "stop_reason": choice.stop_reason if finish else None, "token_ids": ids}  # fmt: skip
 
 
-def chat_choice(choice: Choice, tokenizer: Any, k: int | None) -> dict:
-    lps = (
-        None
-        if k is None
-        else logprobs.chat_logprobs(choice.token_ids, choice.logprobs, tokenizer, k)
-    )
+def chat_choice(
+    choice: Choice, tokenizer: Any, k: int | None, message: dict, finish: str | None
+) -> dict:
+    lps = None
+    if k is not None:
+        lps = logprobs.chat_logprobs(choice.token_ids, choice.logprobs, tokenizer, k)
     return {
         "index": choice.index,
-        "message": {"role": "assistant", "content": choice.text},
+        "message": message,
         "logprobs": lps,
-        "finish_reason": choice.finish_reason,
+        "finish_reason": finish,
         "stop_reason": choice.stop_reason,
         "token_ids": choice.token_ids,
     }

@@ -1,6 +1,7 @@
-"""The request bodies the server takes, as vLLM's OpenAI server takes them: OpenAI's fields
-and vLLM's sampling extras. Fields outside these are kept (``model_extra``) for
-``unsupported.py`` to judge: a 400 where the engine cannot honour one, else a warning.
+"""The request bodies the server takes, as vLLM's OpenAI server takes them: OpenAI's fields,
+vLLM's sampling extras and the structured-output spellings (``structured.py`` maps them to
+one constraint). Fields outside these are kept (``model_extra``) for ``unsupported.py`` to
+judge: a 400 where the engine cannot honour one, else a warning.
 
 A value's range is checked once, by ``SamplingParams``; these models check types.
 """
@@ -44,7 +45,13 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = Field(None, ge=0, le=20)
-    add_special_tokens: bool | None = None  # None: the endpoint's default
+    # What the output must match (at most one; structured.py): OpenAI's, vLLM's, vLLM's older.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def num_choices(self) -> int:
@@ -66,6 +73,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
+    add_special_tokens: bool = True
 
 
 class ChatMessage(OpenAIModel):
@@ -76,26 +84,32 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(OpenAIModel):
+    """How messages go through the chat template (chat completions and ``/tokenize``)."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = False  # only False: the template adds them
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, as vLLM takes it
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(ChatTemplateFields):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the template."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool | None = False
 
 

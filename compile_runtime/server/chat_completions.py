@@ -1,0 +1,120 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices,
+whole or streamed, with logprobs, structured outputs and forced tool calls (``tools.py``:
+the output constrained to the tools' schemas, answered as ``tool_calls``; in a stream, in
+the last chunk of each choice)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from compile_runtime.server import logprobs, openai_format
+from compile_runtime.server.access_log import TokenCounts
+from compile_runtime.server.choice import Choice
+from compile_runtime.server.engine_inputs import (
+    chat_token_ids,
+    check_length,
+    check_model,
+    output_constraint,
+    sampling_params,
+)
+from compile_runtime.server.errors import APIError
+from compile_runtime.server.handlers import Server
+from compile_runtime.server.protocol import ChatCompletionRequest
+from compile_runtime.server.streaming import collect, event_stream
+from compile_runtime.server.structured import ConstraintError
+from compile_runtime.server.tools import tool_calls, tool_constraint
+from compile_runtime.server.unsupported import check_fields
+
+
+def _tool_call_constraint(body: ChatCompletionRequest):
+    """(the constraint of a forced tool call or None, the forced function's name or None)."""
+    # No tool_choice with tools is "auto", as OpenAI and vLLM take it (tools.py refuses it).
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else None)
+    try:
+        return tool_constraint(body.tools, choice)
+    except ConstraintError as e:
+        raise APIError(400, str(e), e.param) from None
+
+
+def _message(choice: Choice, calls: bool, forced: str | None) -> tuple[dict, str | None]:
+    """The assistant's message and the finish reason: its text, or its tool calls when they
+    were asked for and the output is complete (finish "tool_calls" for "required", "stop" for
+    a named function, as vLLM answers)."""
+    if calls:
+        try:
+            made = tool_calls(choice.text, forced)
+        except (json.JSONDecodeError, KeyError, TypeError):  # cut short (max_tokens)
+            made = None
+        if made:
+            finish = "tool_calls" if forced is None and choice.finish_reason == "stop" else None
+            message = {"role": "assistant", "content": None, "tool_calls": made}
+            return message, finish or choice.finish_reason
+    return {"role": "assistant", "content": choice.text}, choice.finish_reason
+
+
+async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts) -> Any:
+    check_model(body.model, server.model_name)
+    check_fields(body)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
+    tool_call, forced = _tool_call_constraint(body)
+    constraint = output_constraint(body)
+    if tool_call is not None and constraint is not None:
+        message = "tool_choice: a forced tool call constrains the output already; drop the other"
+        raise APIError(400, message, "tool_choice")
+    calls = tool_call is not None
+    tok = server.llm.tokenizer
+    ids = chat_token_ids(body, tok, body.tools)
+    max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+    max_tokens = (
+        body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+    )
+    if max_tokens is None:  # what is left of max_model_len, as vLLM answers
+        check_length(len(ids), 1, server.max_model_len, "messages", max_field)
+        max_tokens = server.max_model_len - len(ids)
+    k = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(
+        body, max_tokens, max_field, k, "top_logprobs", body.prompt_logprobs,
+        tool_call or constraint,
+    )  # fmt: skip
+    choices = server.submit([ids], params, ("messages", max_field), tokens)
+    payload = openai_format.envelope("chatcmpl", server.model_name)
+
+    if body.stream:
+        every = body.stream_options is not None and body.stream_options.continuous_usage_stats
+        started: set[int] = set()
+
+        def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
+            first = choice.index not in started
+            started.add(choice.index)
+            out = openai_format.chat_chunk_choice(
+                choice, "" if calls else piece, finish, first, tok, k
+            )
+            if calls and finish is not None:  # the whole call, once its text is complete
+                message, out["finish_reason"] = _message(choice, calls, forced)
+                if message["content"] is None:
+                    out["delta"].pop("content")
+                    made = message["tool_calls"]
+                    out["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(made)]
+                else:
+                    out["delta"]["content"] = message["content"]
+            usage = openai_format.usage([ids], choices) if every else None
+            return payload("chat.completion.chunk", [out], usage)
+
+        def usage(cs: list[Choice]) -> dict:
+            return payload("chat.completion.chunk", [], openai_format.usage([ids], cs))
+
+        return event_stream(server.engine, choices, chunk, usage if body.want_usage else None)
+    await collect(server.engine, choices)
+    extra = {}
+    if body.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = logprobs.prompt_logprobs(
+            ids, choices[0].stream.prompt_logprobs, tok, body.prompt_logprobs
+        )
+    return payload(
+        "chat.completion",
+        [openai_format.chat_choice(c, tok, k, *_message(c, calls, forced)) for c in choices],
+        openai_format.usage([ids], choices),
+        **extra,
+    )

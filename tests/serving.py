@@ -1,0 +1,130 @@
+"""A real `compile-runtime serve` on 127.0.0.1 for the server tests: start, wait, talk, stop.
+
+The server's output goes to a file (read by `RunningServer.log`), never to a pipe nobody
+drains: its access log writes a line per request.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+CONFIG = '{"backend": "eager"}'
+MAX_MODEL_LEN = 128
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(url: str, body: bytes | dict | None = None, method: str | None = None):
+    """(status, text) of one request; a dict body is sent as JSON."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = {"Content-Type": "application/json"} if data is not None else {}
+    request = urllib.request.Request(url, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def get(url: str) -> tuple[int, str]:
+    return http(url)
+
+
+def post(url: str, body: bytes | dict) -> tuple[int, dict]:
+    status, text = http(url, body)
+    return status, json.loads(text)
+
+
+def sse_events(text: str) -> list[dict | str]:
+    """A server-sent event stream's payloads: JSON bodies, and the final ``[DONE]``."""
+    out: list[dict | str] = []
+    for block in text.split("\n\n"):
+        if block.startswith("data: "):
+            data = block.removeprefix("data: ")
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def chat_model_dir(model_dir: str, root: str) -> str:
+    """A copy of a tiny model with ``CHAT_TEMPLATE`` in its tokenizer config."""
+    path = os.path.join(root, "model")
+    shutil.copytree(model_dir, path)
+    config_file = os.path.join(path, "tokenizer_config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config["chat_template"] = CHAT_TEMPLATE
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    return path
+
+
+class RunningServer:
+    def __init__(self, model_dir: str, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.model = model_dir
+        cmd = [sys.executable, "-m", "compile_runtime.cli", "serve", "--model", model_dir]
+        cmd += ["-O", CONFIG, "--port", str(self.port), "--max-model-len", str(MAX_MODEL_LEN)]
+        self.output = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [*cmd, *extra], stdout=self.output, stderr=subprocess.STDOUT, text=True
+        )
+        deadline = time.time() + 180
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited: {self.log()[-3000:]}")
+            try:
+                if get(self.url + "/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.3)
+        else:
+            self.stop()
+            raise RuntimeError("the server did not come up in 180 s")
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0)
+
+    def log(self) -> str:
+        """Everything the server wrote so far (stdout and stderr)."""
+        with open(self.output.name) as f:
+            return f.read()
+
+    def post(self, path: str, body: bytes | dict) -> tuple[int, dict]:
+        return post(self.url + path, body)
+
+    def metric(self, name: str) -> float:
+        _, text = get(self.url + "/metrics")
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name) and not line.startswith("#"):
+                total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        os.unlink(self.output.name)
