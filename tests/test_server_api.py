@@ -236,7 +236,7 @@ def test_structured_outputs_on_both_endpoints(server):
 )
 def test_forced_tool_calls_whole_and_streamed(server, tool_choice, finish):
     fields = {"tools": [WEATHER], "tool_choice": tool_choice, "ignore_eos": False,
-              "max_tokens": 100, "logit_bias": no_whitespace(server)}  # fmt: skip
+              "max_tokens": 100, "logit_bias": no_whitespace(server), "temperature": 0}  # fmt: skip
     choice = chat(server, **fields)["choices"][0]
     assert choice["finish_reason"] == finish and choice["message"]["content"] is None
     (call,) = choice["message"]["tool_calls"]
@@ -385,11 +385,23 @@ def test_finish_reasons_in_metrics_as_they_happened(server):
     assert after["abort"] == before["abort"]
 
 
+def access_lines(server, count: int) -> list[str]:
+    """The access log's completion lines, once there are ``count`` (each is written once its
+    response's last byte is sent: the client may read that first)."""
+    deadline = time.time() + 10
+    while True:
+        lines = [line for line in server.log().splitlines() if '"POST /v1/completions"' in line]
+        if len(lines) >= count or time.time() > deadline:
+            return lines
+        time.sleep(0.05)
+
+
 def test_one_access_log_line_per_request(server):
-    out = completion(server, max_tokens=5, user="access-log-test")
+    before = len(access_lines(server, 0))
+    out = completion(server, max_tokens=5)
+    lines = access_lines(server, before + 1)
+    assert len(lines) == before + 1 and lines[-1].startswith("INFO")
     prompt_tokens = out["usage"]["prompt_tokens"]
-    lines = [line for line in server.log().splitlines() if '"POST /v1/completions"' in line]
-    assert lines and lines[-1].startswith("INFO")
     assert re.search(
         rf'"POST /v1/completions" 200 prompt_tokens={prompt_tokens} completion_tokens=5 '
         r"[0-9.]+s$",
@@ -398,5 +410,5 @@ def test_one_access_log_line_per_request(server):
     body = {"model": server.model, "prompt": PROMPT, "max_tokens": 3, "stream": True,
             "ignore_eos": True}  # fmt: skip
     streamed(server, "/v1/completions", body)
-    last = [line for line in server.log().splitlines() if "/v1/completions" in line][-1]
-    assert "completion_tokens=3" in last
+    lines = access_lines(server, before + 2)
+    assert len(lines) == before + 2 and "completion_tokens=3" in lines[-1]
