@@ -92,7 +92,9 @@ class RunningServer:
         deadline = time.time() + 180
         while time.time() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.log()[-3000:]}")
+                output = self.log()
+                os.unlink(self.output.name)
+                raise RuntimeError(f"the server exited: {output[-3000:]}")
             try:
                 if get(self.url + "/health")[0] == 200:
                     break

@@ -185,6 +185,11 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": CIT
         ("completions", {"best_of": 3}, "best_of"),
         ("completions", {"use_beam_search": True}, "use_beam_search"),
         ("completions", {"suffix": " the end"}, "suffix"),
+        ("completions", {"length_penalty": 2.0}, "length_penalty"),
+        ("completions", {"allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+        ("completions", {"priority": 1}, "priority"),
+        ("chat", {"add_generation_prompt": True, "continue_final_message": True},
+         "continue_final_message"),
         ("completions", {"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
         ("chat", {"echo": True}, "echo"),
         ("chat", {"top_logprobs": 2}, "top_logprobs"),
@@ -206,6 +211,26 @@ def test_what_the_engine_cannot_honour_is_400_naming_the_field(server, path, fie
 def test_neutral_values_of_those_fields_are_taken(server):
     completion(server, best_of=1, suffix=None)
     chat(server, tool_choice="none", response_format={"type": "text"}, tools=[WEATHER])
+
+
+def test_choices_and_the_chat_template_fields(server):
+    out = completion(server, n=2, temperature=1.0, seed=1)
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert out["usage"]["completion_tokens"] == 16
+    body = {"model": server.model, "messages": MESSAGES}
+    with_prompt = server.post("/tokenize", body)[1]["tokens"]
+    without = server.post("/tokenize", {**body, "add_generation_prompt": False})[1]["tokens"]
+    assert with_prompt[: len(without)] == without and len(with_prompt) > len(without)
+    answer = {"role": "assistant", "content": "la la"}
+    fields = {"add_generation_prompt": False, "continue_final_message": True,
+              "messages": [*MESSAGES, answer]}  # fmt: skip
+    assert chat(server, **fields)["usage"]["prompt_tokens"] > len(without)
+
+
+def test_a_kv_cache_too_small_for_max_model_len_names_the_flags(model_dirs):
+    with pytest.raises(RuntimeError, match="--kv-cache-bytes") as info:
+        RunningServer(model_dirs("llama"), "--kv-cache-bytes", "4096")
+    assert "--max-model-len" in str(info.value)
 
 
 # ---- structured outputs and forced tool calls ---------------------------------------------
