@@ -242,7 +242,8 @@ class Scheduler:
             and budget > 0
         ):
             req = self.waiting[0]
-            if self.structured_outputs is not None and not self.structured_outputs.ready(req):
+            grammars = self.structured_outputs
+            if grammars is not None and not grammars.ready(req, wait=not self.running):
                 break  # its grammar is still compiling: the running batch goes on
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.block_size

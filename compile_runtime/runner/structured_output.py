@@ -105,12 +105,13 @@ class StructuredOutputManager:
         if params is not None and request.req_id not in self._matchers:
             self._compiling[request.req_id] = self._pool.submit(self._compile, params)
 
-    def ready(self, request: Request) -> bool:
-        """Whether the request may be scheduled: unconstrained, or its grammar compiled."""
+    def ready(self, request: Request, wait: bool = False) -> bool:
+        """Whether the request may be scheduled: unconstrained, or its grammar compiled
+        (``wait``: block until it is, when there is nothing else to run)."""
         future = self._compiling.get(request.req_id)
         if future is None:
             return True
-        if not future.done():
+        if not (wait or future.done()):
             return False
         del self._compiling[request.req_id]
         matcher = self._matchers[request.req_id] = future.result()
