@@ -200,49 +200,23 @@ def worker_main() -> None:
         -> {"outputs": [{"token_ids", "text", "finish_reason"}, ...], "seconds": ...}
     {"op": "quit"}
     """
-    parser = argparse.ArgumentParser()
-    for flag in ("--side", "--precision", "--model"):
-        parser.add_argument(flag, required=True)
-    parser.add_argument("--options", default="{}")
-    args = parser.parse_args()
-    proto = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol's own stdout
-    os.dup2(2, 1)  # whatever the libraries print goes to stderr
-    sys.stdout = sys.stderr
+    import worker  # benchmarks/peers/worker.py (on sys.path through vs_vllm)
 
-    def send(msg: dict) -> None:
-        proto.write(json.dumps(msg) + "\n")
-        proto.flush()
-
-    start = time.perf_counter()
-    try:
+    def make_side(args):
         precision = args.precision.split("-")[0]  # "fp32-structured": its own log file
-        side = worker_sides()[args.side](args.model, precision, json.loads(args.options))
-    except BaseException as e:
-        send({"ready": False, "error": f"{type(e).__name__}: {e}"})
-        raise
-    send({"ready": True, "startup_s": time.perf_counter() - start, "info": side.info})
-    for line in sys.stdin:
-        msg = json.loads(line)
-        try:
-            if msg["op"] == "quit":
-                break
-            if msg["op"] == "render":
-                send({"prompts": side.render(msg["conversations"])})
-                continue
-            outputs, seconds = side.run(msg["requests"])
-            fields = ("token_ids", "text", "finish_reason")
-            replies = [{k: getattr(o.outputs[0], k) for k in fields} for o in outputs]
-            for r in replies:
-                r["token_ids"] = list(r["token_ids"])
-            send({"outputs": replies, "seconds": seconds})
-        except Exception as e:
-            import traceback
+        return worker_sides()[args.side](args.model, precision, json.loads(args.options))
 
-            traceback.print_exc()
-            send({"error": f"{type(e).__name__}: {e}"})
-    if hasattr(side, "close"):
-        side.close()
-    send({"bye": True})
+    def answer(side, msg: dict) -> dict:
+        if msg["op"] == "render":
+            return {"prompts": side.render(msg["conversations"])}
+        outputs, seconds = side.run(msg["requests"])
+        fields = ("token_ids", "text", "finish_reason")
+        replies = [{k: getattr(o.outputs[0], k) for k in fields} for o in outputs]
+        for r in replies:
+            r["token_ids"] = list(r["token_ids"])
+        return {"outputs": replies, "seconds": seconds}
+
+    worker.serve(make_side, answer)
 
 
 # ---- the benchmark ----------------------------------------------------------------------------

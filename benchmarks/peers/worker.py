@@ -194,9 +194,11 @@ class OursSide:
 SIDES = {"vllm": VLLMSide, "llamacpp": LlamaCppSide, "hf": HFSide, "ours": OursSide}
 
 
-def main() -> None:
+def serve(make_side, answer) -> None:
+    """The worker protocol: build the side (``make_side(args)``), say it is ready, then answer
+    one JSON line per message (``answer(side, msg)``) until ``{"op": "quit"}``."""
     parser = argparse.ArgumentParser()
-    parser.add_argument("--side", required=True, choices=sorted(SIDES))
+    parser.add_argument("--side", required=True)
     parser.add_argument("--precision", required=True)
     parser.add_argument("--model", required=True)
     parser.add_argument("--options", default="{}", help="JSON: extra keyword arguments")
@@ -212,7 +214,7 @@ def main() -> None:
 
     start = time.perf_counter()
     try:
-        side = SIDES[args.side](args.model, args.precision, json.loads(args.options))
+        side = make_side(args)
     except BaseException as e:
         send({"ready": False, "error": f"{type(e).__name__}: {e}"})
         raise
@@ -221,11 +223,8 @@ def main() -> None:
         msg = json.loads(line)
         if msg["op"] == "quit":
             break
-        requests = [(list(p), int(n)) for p, n in msg["requests"]]
         try:
-            start = time.perf_counter()
-            tokens = side.run(requests)
-            send({"tokens": tokens, "seconds": time.perf_counter() - start})
+            send(answer(side, msg))
         except Exception as e:
             import traceback
 
@@ -234,6 +233,20 @@ def main() -> None:
     if hasattr(side, "close"):
         side.close()
     send({"bye": True})
+
+
+def _answer_run(side, msg: dict) -> dict:
+    requests = [(list(p), int(n)) for p, n in msg["requests"]]
+    start = time.perf_counter()
+    tokens = side.run(requests)
+    return {"tokens": tokens, "seconds": time.perf_counter() - start}
+
+
+def main() -> None:
+    serve(
+        lambda args: SIDES[args.side](args.model, args.precision, json.loads(args.options)),
+        _answer_run,
+    )
 
 
 if __name__ == "__main__":
