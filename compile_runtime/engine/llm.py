@@ -266,7 +266,7 @@ class LLM:
         )
         self.last_stats = stats
         outputs = []
-        for index, (group, prompt) in enumerate(zip(samples, texts, strict=True)):
+        for group, prompt in zip(samples, texts, strict=True):
             completions = [
                 completion_output(i, r, text.get(r.req_id), logprobs[r.req_id], self.tokenizer)
                 for i, r in enumerate(group)
@@ -274,7 +274,7 @@ class LLM:
             first = [first_token[r.req_id] for r in group if r.req_id in first_token]
             outputs.append(
                 RequestOutput(
-                    request_id=str(index) if len(group) > 1 else group[0].req_id,
+                    request_id=group[0].req_id,  # unique: the first sample's request
                     prompt=prompt,
                     prompt_token_ids=group[0].prompt_token_ids,
                     outputs=completions,
