@@ -170,3 +170,24 @@ def test_grammars_survive_preemption_and_serve_each_sample(llm):
     assert [o.token_ids for o in got] == want
     for c in three.outputs:
         jsonschema.validate(json.loads(c.text), CITY)
+
+
+def test_a_token_outside_the_grammar_aborts_its_request_never_a_quiet_answer():
+    from transformers import AutoTokenizer
+
+    from compile_runtime.models.gguf import gguf_model_dir
+    from compile_runtime.runner.request import Request, RequestStatus
+    from compile_runtime.runner.structured_output import StructuredOutputManager
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(smollm2_gguf()))
+    manager = StructuredOutputManager(tokenizer, 49152, (2,))
+    req = Request("r", [1], constrained(Constraint(regex="[0-9]")))
+    manager.start(req)
+    assert manager.ready(req, wait=True)
+    digit, letter = tokenizer.encode("7")[0], tokenizer.encode("x")[0]
+    assert manager.accept("r", [letter]) is RequestStatus.FINISHED_ABORTED
+    manager.free("r")
+    manager.start(req)
+    manager.ready(req, wait=True)
+    assert manager.accept("r", [digit]) is None  # complete, waiting for the stop token
+    assert manager.accept("r", [2]) is RequestStatus.FINISHED_STOPPED

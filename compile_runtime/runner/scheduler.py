@@ -370,8 +370,9 @@ class Scheduler:
             # Tokens after a stop are dropped, from the runner's output too.
             status = append_until_stop(req, tokens, logprobs.get(req_id))
             if self.structured_outputs is not None and tokens:
-                if self.structured_outputs.accept(req_id, tokens) and status is None:
-                    status = RequestStatus.FINISHED_STOPPED  # its grammar has ended
+                grammar = self.structured_outputs.accept(req_id, tokens)  # ended, or broken
+                if grammar is RequestStatus.FINISHED_ABORTED or status is None:
+                    status = grammar or status
             # Rejected drafts' KV is not computed: those slots are written again later.
             num_rejected = len(drafts) + 1 - len(tokens) if tokens else 0
             req.num_computed_tokens = min(

@@ -10,7 +10,8 @@ the matcher fills one bitmask row per logits row: the next token, and with specu
 decoding each draft position (the matcher steps through the drafts and back). The runner
 masks the logits with them (``grammar_bitmask.py``), so greedy, sampling, penalties and
 draft verification all see only allowed tokens. The tokens a request keeps advance its
-matcher; a grammar that has ended (it accepted the stop token) ends its request as "stop".
+matcher; a grammar that has ended (it accepted the stop token) ends its request as "stop",
+and a kept token outside the grammar (a bug) aborts it with an error logged.
 Requests without a constraint cost nothing here.
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from compile_runtime.runner.request import Request
+from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -142,16 +143,19 @@ class StructuredOutputManager:
             matcher.rollback(accepted)
         return rows.numpy()
 
-    def accept(self, req_id: str, tokens: list[int]) -> bool:
-        """Advance the request's matcher by the tokens it kept; True when its grammar ended."""
+    def accept(self, req_id: str, tokens: list[int]) -> RequestStatus | None:
+        """Advance the request's matcher by the tokens it kept: STOPPED when its grammar
+        ended, ABORTED (logged) for a token outside it, never a quiet wrong answer."""
         matcher = self._matchers.get(req_id)
         if matcher is None:
-            return False
+            return None
         for token in tokens:
             if not matcher.accept_token(token):
-                logger.error("request %s: token %d is outside its grammar", req_id, token)
-                return True
-        return matcher.is_terminated()
+                logger.error(
+                    "request %s: token %d is outside its grammar; aborting it", req_id, token
+                )
+                return RequestStatus.FINISHED_ABORTED
+        return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def free(self, req_id: str) -> None:
         self._matchers.pop(req_id, None)
