@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
 from compile_runtime.runner.startup import ModelRunnerError
+from compile_runtime.server.tool_parsers import PARSERS
 from compile_runtime.version import __version__
 
 # ValueError covers pydantic's ValidationError, JSON errors and most of our own
@@ -234,6 +235,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests waiting for their first step before new ones get a 503",
     )
     serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="answer tool_choice='auto' (and tools without a tool_choice): the model's own "
+        "tool-call syntax parsed out of its text into tool_calls (needs --tool-call-parser)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(PARSERS),
+        default=None,
+        help="the model family's tool-call format: hermes (<tool_call>{...}</tool_call>: "
+        "Hermes, Qwen 2-3, SmolLM3), llama3_json (Llama 3.1-3.3)",
+    )
+    serve.add_argument(
         "--disable-access-log",
         action="store_true",
         help="no INFO line per request (method, path, status, tokens, seconds)",
@@ -330,6 +344,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def _serve(args: argparse.Namespace) -> int:
     from compile_runtime.device import default_device
     from compile_runtime.server.run import serve
+
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
 
     if args.distributed_executor_backend is None and (args.device or default_device()) == "cpu":
         # The model in a worker process, so the step loop does not share this process's GIL

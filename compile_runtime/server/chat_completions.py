@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices,
-whole or streamed, with logprobs, structured outputs and forced tool calls (``tools.py``:
-the output constrained to the tools' schemas, answered as ``tool_calls``; in a stream, in
-the last chunk of each choice)."""
+whole or streamed, with logprobs, structured outputs and tool calls: forced (``tools.py``:
+the output constrained to the tools' schemas) or ``auto`` (parsed out of free text,
+``tool_parsers.py``), answered as ``tool_calls``; in a stream, in the last chunk of each
+choice."""
 
 from __future__ import annotations
 
@@ -23,24 +24,33 @@ from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import ChatCompletionRequest
 from compile_runtime.server.streaming import collect, event_stream
 from compile_runtime.server.structured import ConstraintError
-from compile_runtime.server.tools import tool_calls, tool_constraint
+from compile_runtime.server.tools import AUTO, tool_calls, tool_constraint
 from compile_runtime.server.unsupported import check_fields
 
 
-def _tool_call_constraint(body: ChatCompletionRequest):
-    """(the constraint of a forced tool call or None, the forced function's name or None)."""
-    # No tool_choice with tools is "auto", as OpenAI and vLLM take it (tools.py refuses it).
+def _tool_call_constraint(server: Server, body: ChatCompletionRequest):
+    """(the constraint of a forced tool call or None, the forced function's name, AUTO for
+    calls parsed out of free text, or None)."""
+    # No tool_choice with tools is "auto", as OpenAI and vLLM take it.
     choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else None)
     try:
-        return tool_constraint(body.tools, choice)
+        return tool_constraint(body.tools, choice, server.tool_parser is not None)
     except ConstraintError as e:
         raise APIError(400, str(e), e.param) from None
 
 
-def _message(choice: Choice, calls: bool, forced: str | None) -> tuple[dict, str | None]:
+def _message(
+    server: Server, choice: Choice, calls: bool, forced: str | None
+) -> tuple[dict, str | None]:
     """The assistant's message and the finish reason: its text, or its tool calls when they
-    were asked for and the output is complete (finish "tool_calls" for "required", "stop" for
-    a named function, as vLLM answers)."""
+    were asked for and the output is complete (finish "tool_calls" for "required" and for
+    parsed calls, "stop" for a named function, as vLLM answers)."""
+    if forced == AUTO:
+        content, made = server.tool_parser.parse(choice.text)
+        if not made:
+            return {"role": "assistant", "content": choice.text}, choice.finish_reason
+        finish = "tool_calls" if choice.finish_reason == "stop" else choice.finish_reason
+        return {"role": "assistant", "content": content, "tool_calls": made}, finish
     if calls:
         try:
             made = tool_calls(choice.text, forced)
@@ -58,7 +68,7 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
     check_fields(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
-    tool_call, forced = _tool_call_constraint(body)
+    tool_call, forced = _tool_call_constraint(server, body)
     constraint = output_constraint(body)
     if tool_call is not None and constraint is not None:
         message = "tool_choice: a forced tool call constrains the output already; drop the other"
@@ -84,20 +94,36 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
     if body.stream:
         every = body.stream_options is not None and body.stream_options.continuous_usage_stats
         started: set[int] = set()
+        released: dict[int, str] = {}  # auto tool calls: the text released per choice
+        sent: dict[int, int] = {}  # and how much of it went out as content
+
+        def content_piece(choice: Choice, piece: str, finish: str | None) -> str:
+            if calls:
+                return ""
+            if forced != AUTO:
+                return piece
+            text = released[choice.index] = released.get(choice.index, "") + piece
+            done = sent.get(choice.index, 0)
+            if finish is not None:  # what is left of the content, calls taken out
+                content = _message(server, choice, calls, forced)[0]["content"] or ""
+                sent[choice.index] = len(content)
+                return content[done:]
+            sent[choice.index] = upto = max(done, server.tool_parser.streamable(text))
+            return text[done:upto]
 
         def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
             first = choice.index not in started
             started.add(choice.index)
-            out = openai_format.chat_chunk_choice(
-                choice, "" if calls else piece, finish, first, tok, k
-            )
-            if calls and finish is not None:  # the whole call, once its text is complete
-                message, out["finish_reason"] = _message(choice, calls, forced)
-                if message["content"] is None:
-                    out["delta"].pop("content")
-                    made = message["tool_calls"]
+            text = content_piece(choice, piece, finish)
+            out = openai_format.chat_chunk_choice(choice, text, finish, first, tok, k)
+            if (calls or forced == AUTO) and finish is not None:  # calls once complete
+                message, out["finish_reason"] = _message(server, choice, calls, forced)
+                made = message.get("tool_calls")
+                if made:
                     out["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(made)]
-                else:
+                    if not out["delta"].get("content"):
+                        out["delta"].pop("content", None)
+                elif calls:
                     out["delta"]["content"] = message["content"]
             usage = openai_format.usage([ids], choices) if every else None
             return payload("chat.completion.chunk", [out], usage)
@@ -114,7 +140,10 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         )
     return payload(
         "chat.completion",
-        [openai_format.chat_choice(c, tok, k, *_message(c, calls, forced)) for c in choices],
+        [
+            openai_format.chat_choice(c, tok, k, *_message(server, c, calls, forced))
+            for c in choices
+        ],
         openai_format.usage([ids], choices),
         **extra,
     )

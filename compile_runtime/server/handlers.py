@@ -10,6 +10,7 @@ import time
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import check_length
@@ -19,9 +20,16 @@ from compile_runtime.server.metrics import ServerMetrics
 
 class Server:
     def __init__(
-        self, llm: LLM, *, model_name: str, model_path: str | None = None, max_waiting: int = 256
+        self,
+        llm: LLM,
+        *,
+        model_name: str,
+        model_path: str | None = None,
+        max_waiting: int = 256,
+        tool_call_parser: str | None = None,
     ):
         self.llm = llm
+        self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
         self.model_path = model_path or model_name
         self.max_waiting = max_waiting

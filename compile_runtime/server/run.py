@@ -21,6 +21,7 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         model_name=args.served_model_name or args.model,
         model_path=args.model,
         max_waiting=args.max_waiting,
+        tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
     )
     if not args.disable_access_log:  # one INFO line per request (access_log.py)
         logging.getLogger("compile_runtime.server.access").setLevel(logging.INFO)

@@ -1,19 +1,22 @@
 """Tool calls that the grammar guarantees: ``tool_choice="required"`` or a named function.
 
 The output is constrained to JSON matching the tools' parameter schemas (works for any model,
-as vLLM does it), then parsed into OpenAI's ``tool_calls``. ``tool_choice="auto"`` would
-need the model family's own tool-call format parsed out of free text: it is refused with a
-400 naming what works instead, never silently ignored.
+as vLLM does it), then parsed into OpenAI's ``tool_calls``. ``tool_choice="auto"`` leaves the
+output free and parses the model family's own call format out of it (``tool_parsers.py``);
+a server started without a parser refuses it with a 400 naming the flags, never silently
+ignoring the tools.
 """
 
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Any
 
 from compile_runtime.runner.sampling_params import StructuredOutputsParams
 from compile_runtime.server.structured import ConstraintError
+from compile_runtime.server.tool_parsers import openai_call
+
+AUTO = "auto"  # tool_constraint's answer for tool_choice="auto": no constraint, parse the text
 
 
 def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -27,19 +30,23 @@ def _functions(tools: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def tool_constraint(
-    tools: list[dict[str, Any]] | None, tool_choice: Any
+    tools: list[dict[str, Any]] | None, tool_choice: Any, auto_enabled: bool = False
 ) -> tuple[StructuredOutputsParams | None, str | None]:
     """(the constraint, the forced function's name or None for "required"); (None, None)
-    when the request asks for no tool call."""
+    when the request asks for no tool call, (None, AUTO) for calls parsed out of free text
+    (``auto_enabled``: the server has a tool-call parser)."""
     if not tools or tool_choice in (None, "none"):
         if tool_choice not in (None, "none", "auto"):
             raise ConstraintError("tool_choice names a tool but no tools were sent", "tools")
         return None, None
     functions = _functions(tools)
     if tool_choice == "auto":
+        if auto_enabled:
+            return None, AUTO
         raise ConstraintError(
-            "tool_choice='auto' needs this model family's tool-call format parsed out of free "
-            "text, which this server does not do; send tool_choice='required' or "
+            "tool_choice='auto' needs the model family's tool-call format parsed out of free "
+            "text: start the server with --enable-auto-tool-choice --tool-call-parser NAME "
+            "(hermes, llama3_json), or send tool_choice='required' or "
             '{"type": "function", "function": {"name": ...}} (the arguments are then '
             "guaranteed by the tool's JSON schema), or tool_choice='none'",
             "tool_choice",
@@ -78,11 +85,4 @@ def tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
     calls = (
         [(forced, value)] if forced is not None else [(c["name"], c["parameters"]) for c in value]
     )
-    return [
-        {
-            "id": f"call_{uuid.uuid4().hex[:24]}",
-            "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments)},
-        }
-        for name, arguments in calls
-    ]
+    return [openai_call(name, arguments) for name, arguments in calls]
