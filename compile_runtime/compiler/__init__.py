@@ -11,6 +11,8 @@ In the order a first call goes through them:
   ``saved_program``: what a program is on disk and how it is keyed;
 * ``graph_compiler``: the torch.compile backend: passes, split, pieces in place;
 * ``split``: the split at the splitting ops; ``graph_hash``: a piece's structural hash;
+* ``capture_safety``: what in a piece would break a CUDA graph (host syncs, data-dependent
+  shapes and sizes, CPU tensors, failed traces), read off its FX graph on any device;
 * ``piece_store``: each piece's callables by (hash, size), loaded or compiled and stored;
 * ``piecewise``: a piece at run time: the callable for this step's token count.
 """

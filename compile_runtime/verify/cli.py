@@ -1,6 +1,7 @@
 """``compile-runtime check``: verify a compiled model directory piece by piece.
 
     compile-runtime check --model DIR [-O JSON] [--tokens N] [--dtype D] [--json]
+    compile-runtime check --capture-safety --model DIR [--use-transformers] [--json]
 
 ``register(sub)`` adds it to the top-level parser (compile_runtime/cli.py).
 """
@@ -15,10 +16,13 @@ import torch
 from compile_runtime.argtypes import non_negative_float, positive_int
 from compile_runtime.config import parse_config
 from compile_runtime.models.gguf import model_directory
+from compile_runtime.verify.capture import check_capture_model_dir
 from compile_runtime.verify.model_dir import check_model_dir
 
 
 def cmd_check(args: argparse.Namespace) -> int:
+    if args.capture_safety:
+        return cmd_capture_safety(args)
     report = check_model_dir(
         model_directory(args.model),
         parse_config(args.compilation_config),
@@ -37,6 +41,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def cmd_capture_safety(args: argparse.Namespace) -> int:
+    report = check_capture_model_dir(
+        model_directory(args.model),
+        parse_config(args.compilation_config),
+        num_tokens=args.tokens,
+        dtype=getattr(torch, args.dtype),
+        device=args.device,
+        use_transformers=args.use_transformers,
+    )
+    print(json.dumps(report.to_dict(), indent=1) if args.json else report.format())
+    return 0 if report.ok else 1
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     check = sub.add_parser(
         "check",
@@ -44,7 +61,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=(
             "Run one batch through the compiled model and, piece by piece, through each piece's "
             "eager FX graph with the same inputs; print the error of every piece and the first "
-            "one over the tolerance. Exit status 1 when a piece fails."
+            "one over the tolerance. Exit status 1 when a piece fails. With --capture-safety, "
+            "check instead what would break a CUDA graph (host syncs, data-dependent shapes "
+            "and sizes, CPU tensors, graph breaks): exit status 1 on a finding."
         ),
     )
     check.add_argument(
@@ -59,4 +78,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     check.add_argument("--rtol", type=non_negative_float, default=None, help="default: per dtype")
     check.add_argument("--use-transformers", action="store_true", help="run through the adapter")
     check.add_argument("--json", action="store_true", help="machine-readable output")
+    check.add_argument(
+        "--capture-safety",
+        action="store_true",
+        help="check the pieces for what breaks CUDA graph capture, on any device",
+    )
     check.set_defaults(func=cmd_check)
