@@ -23,6 +23,8 @@ from compile_runtime.backends.attention.flashinfer_attn import FlashInferBackend
 from compile_runtime.backends.attention.registry import ENV_VAR
 from compile_runtime.backends.attention.torch_native import TorchNativeBackend
 from compile_runtime.backends.attention.triton_attn import TritonBackend
+
+pytest.importorskip("hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn

@@ -15,6 +15,8 @@ import importlib.util
 import pytest
 import torch
 from compile_runtime.backends.attention.triton_attn import interpreter_enabled
+
+pytest.importorskip("hypothesis")
 from hypothesis import given, settings
 from test_attention import batch_shapes, dense_reference, run_backend, spec_of
 from triton_interpreter import run_interpreted

@@ -4,6 +4,8 @@ import json
 import logging
 
 import pytest
+
+pytest.importorskip("hypothesis")
 from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError

@@ -6,6 +6,8 @@ import itertools
 import json
 
 import pytest
+
+pytest.importorskip("hypothesis")
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

@@ -7,6 +7,8 @@ import random
 from collections import Counter
 
 import pytest
+
+pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import FakeRunner, check_invariants, run

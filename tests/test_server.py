@@ -6,8 +6,13 @@ import concurrent.futures
 import signal
 import time
 
-import openai
 import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
+import openai
 from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
 
 from compile_runtime.engine.llm import LLM

@@ -11,6 +11,11 @@ import re
 import time
 
 import pytest
+
+pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 from serving import MAX_MODEL_LEN, RunningServer, chat_model_dir, get, http, sse_events
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 
-import jsonschema
 import pytest
+
+pytest.importorskip("jsonschema")
+import jsonschema
 
 from compile_runtime.server.structured import ConstraintError, constraint_of
 from compile_runtime.server.tools import tool_calls, tool_constraint

@@ -9,11 +9,22 @@ import random
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings
+from copier import copy_prompt, make_copier_dir, orbit
 from hypothesis import strategies as st
 from test_scheduler import FakeRunner, count_up, run
+from test_verify import RerunFactory
 
-from compile_runtime.config import ConfigError, RunnerConfig
+from compile_runtime.config import (
+    AttentionCGSupport,
+    CompilationConfig,
+    ConfigError,
+    CUDAGraphMode,
+    RunnerConfig,
+)
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.runner.ngram_proposer import NgramProposer
 from compile_runtime.runner.rejection_sampler import rejection_sample
@@ -350,3 +361,61 @@ def test_a_draft_holding_all_of_the_probability_is_always_accepted():
     meta = metadata_for([SamplingParams(temperature=1.0)] * 2)
     for _ in range(20):
         assert rejection_sample(logits, [[5]], meta).token_ids == [[5, 5]]
+
+
+# ---------------------------------------------------------------- FULL graphs of 1 + k tokens
+
+
+@pytest.fixture(scope="module")
+def copier(model_dirs, tmp_path_factory):
+    """The tiny Llama made a copier (tests/copier.py): its greedy next token is f[t]."""
+    return make_copier_dir(model_dirs("llama"), str(tmp_path_factory.mktemp("copier")))
+
+
+def simulate_full_graphs_on_cpu(monkeypatch) -> None:
+    """The runner plans FULL graphs as on CUDA, with a graph double whose replay reruns the
+    model (test_verify.RerunFactory): the steps that would replay a graph on a GPU do here."""
+    from compile_runtime.runner import cudagraph_plan
+
+    wrap, resolve = cudagraph_plan.wrap_full_model, CompilationConfig.resolve
+    monkeypatch.setattr(
+        cudagraph_plan, "wrap_full_model", lambda m, c: wrap(m, c, graph_factory=RerunFactory())
+    )
+    monkeypatch.setattr(cudagraph_plan, "min_cg_support", lambda _: AttentionCGSupport.ALWAYS)
+    monkeypatch.setattr(
+        CompilationConfig,
+        "resolve",
+        lambda self, *a, **kw: resolve(self, *a, **{**kw, "cuda_available": True}),
+    )
+
+
+def test_one_copying_request_replays_full_graphs_of_1_plus_k_tokens(copier, monkeypatch):
+    """The CPU run of tests/test_engine_cuda.py's spec-decode check: one request whose
+    prompt the copier copies drafts k tokens every step, so its decode steps are the
+    uniform batch of 1 + k tokens and replay the FULL graph captured for it."""
+    simulate_full_graphs_on_cpu(monkeypatch)
+    model_dir, f = copier
+    k = 2
+    prompt = copy_prompt(f)
+    config = {
+        "backend": "eager",
+        "cudagraph_mode": "FULL_DECODE_ONLY",
+        "cudagraph_capture_sizes": [1, 2, 4],
+    }
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(
+        model_dir, config, speculative_config=spec, max_num_seqs=4, max_model_len=128
+    ) as llm:
+        plan = llm.runner.cudagraph_plan
+        assert plan.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
+        forward = plan.forward_model
+        assert BatchDescriptor(1 + k, num_reqs=1, uniform=True) in forward.entries
+        replays = forward.num_replays
+        out = llm.generate([prompt], params, progress=False)[0].token_ids
+        stats = llm.last_stats.spec_decode
+        uniform_steps = llm.workload.decode[1 + k]
+        assert out == orbit(f, f[prompt[-1]], 24)  # the copy, every draft accepted
+        assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+        assert uniform_steps >= 5
+        assert forward.num_replays - replays == uniform_steps

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 import re
 
+import pytest
+
+pytest.importorskip("jsonschema")
+pytest.importorskip("hypothesis")
 import jsonschema
 import numpy as np
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
