@@ -11,8 +11,8 @@ import pytest
 import torch
 
 pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings
 from copier import copy_prompt, make_copier_dir, orbit
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_scheduler import FakeRunner, count_up, run
 from test_verify import RerunFactory
@@ -404,9 +404,7 @@ def test_one_copying_request_replays_full_graphs_of_1_plus_k_tokens(copier, monk
     }
     spec = {"method": "ngram", "num_speculative_tokens": k}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    with LLM(
-        model_dir, config, speculative_config=spec, max_num_seqs=4, max_model_len=128
-    ) as llm:
+    with LLM(model_dir, config, speculative_config=spec, max_num_seqs=4, max_model_len=128) as llm:
         plan = llm.runner.cudagraph_plan
         assert plan.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
         forward = plan.forward_model
