@@ -8,6 +8,7 @@ import importlib.util
 import pytest
 import torch
 from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
+from copier import copy_prompt, make_copier_dir, orbit
 from transformers import AutoModelForCausalLM
 
 from compile_runtime.config import CUDAGraphMode
@@ -67,23 +68,41 @@ def test_triton_in_every_graph_mode_gives_transformers_tokens(
 
 @pytest.mark.parametrize("cudagraph_mode", ["FULL_AND_PIECEWISE", "PIECEWISE"])
 def test_speculative_decode_batches_replay_graphs_and_keep_transformers_tokens(
-    reference, cudagraph_mode, monkeypatch
+    reference, model_dirs, tmp_path, cudagraph_mode, monkeypatch
 ):
     """1 + k tokens per request is the uniform decode batch: FULL graphs of request counts
-    times 1 + k under FULL_AND_PIECEWISE (Triton attention supports uniform batches)."""
+    times 1 + k under FULL_AND_PIECEWISE (Triton attention supports uniform batches).
+
+    The tiny model's own outputs draft too rarely for a step where every request has k
+    drafts, so the replays are checked on one request of the copier (tests/copier.py),
+    which drafts k tokens every step (its CPU run: tests/test_spec_decode.py)."""
     monkeypatch.setenv(ATTENTION_ENV, "triton")
     model_dir, expected = reference
-    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}
+    k = 2
+    spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1}
     config = {"backend": "eager", "cudagraph_mode": cudagraph_mode, **GRAPHS}
     with LLM(model_dir, config, speculative_config=spec, **RUNNER) as llm:
         keys = llm.runner.dispatcher.keys
         if cudagraph_mode == "FULL_AND_PIECEWISE":
             assert keys[CUDAGraphMode.FULL] and all(
-                d.num_tokens % 3 == 0 and d.uniform for d in keys[CUDAGraphMode.FULL]
+                d.num_tokens % (1 + k) == 0 and d.uniform for d in keys[CUDAGraphMode.FULL]
             )
         tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
         assert llm.last_stats.spec_decode.num_draft_tokens > 0
     assert tokens == expected
+
+    copier_dir, f = make_copier_dir(model_dirs("llama"), str(tmp_path / "copier"))
+    prompt = copy_prompt(f)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    with LLM(copier_dir, config, speculative_config=spec, **RUNNER) as llm:
+        forward = llm.runner.cudagraph_plan.forward_model
+        replays = getattr(forward, "num_replays", 0)
+        out = llm.generate([prompt], params, progress=False)[0].token_ids
+        uniform_steps = llm.workload.decode[1 + k]
+        if cudagraph_mode == "FULL_AND_PIECEWISE":
+            assert forward.num_replays - replays == uniform_steps
+    assert out == orbit(f, f[prompt[-1]], 24)
+    assert uniform_steps >= 5  # every decode step but the last ran 1 + k tokens
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
