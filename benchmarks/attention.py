@@ -13,7 +13,8 @@ plans there), paid once per step for all layers.
         [--out benchmarks/results/attention.json]
 
 Results are written to JSON after every measurement, so a run cut short
-still leaves what it measured. Backends that cannot run here are recorded
+still leaves what it measured (stopped by SIGTERM, it prints the table of what it
+measured, marks the JSON ``"stopped"`` and exits 124). Backends that cannot run here are recorded
 with the reason. Without CUDA only ``eager`` runs (a smoke test).
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -188,18 +191,34 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         },
     }
     records: list[dict[str, Any]] = []
-    for name in args.backends:
-        for batch_size in args.batch_sizes:
-            try:
-                records.extend(measure(args, name, batch_size))
-            except Exception as e:  # one backend failing must not hide the others' numbers
-                logger.exception("%s at batch %d failed", name, batch_size)
-                records.append(
-                    {"backend": name, "batch_size": batch_size, "skipped": f"error: {e!r}"}
-                )
-            out.write_text(json.dumps({"env": env, "results": records}, indent=2))
+
+    def write(**extra: Any) -> None:  # replaced at once: a reader never sees half a file
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps({"env": env, "results": records, **extra}, indent=2))
+        os.replace(tmp, out)
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as KeyboardInterrupt
+    stopped = False
+    try:
+        for name in args.backends:
+            for batch_size in args.batch_sizes:
+                try:
+                    records.extend(measure(args, name, batch_size))
+                except Exception as e:  # one backend failing must not hide the others' numbers
+                    logger.exception("%s at batch %d failed", name, batch_size)
+                    records.append(
+                        {"backend": name, "batch_size": batch_size, "skipped": f"error: {e!r}"}
+                    )
+                write()
+    except KeyboardInterrupt:
+        stopped = True
+        write(stopped=True)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(table(records))
-    print(f"wrote {out}")
+    print(f"wrote {out}" + (" (stopped: what was measured before)" if stopped else ""))
+    if stopped:
+        raise SystemExit(124)
     return records
 
 

@@ -38,6 +38,10 @@ same work for every ladder, so the difference is padding and graph reuse.
     python benchmarks/padding.py [--steps 20000] [--seed 0] [--holdout-seed 1000]
                                  [--out benchmarks/results/padding.json]
     python benchmarks/padding.py --latency [--device cuda] [--latency-steps 300]
+
+The JSON is written after each workload's ladders are scored and after every latency
+measurement, so a run cut short keeps what it did; stopped by SIGTERM (the caller's time
+budget), it prints the table of what was done, marks the JSON ``"stopped"`` and exits 124.
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
+import signal
 import sys
 import time
 from collections import Counter
@@ -384,45 +390,60 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[dict] = []
     summaries = {}
     bench: LatencyBench | None = None
-    for i, name in enumerate(args.workloads):
-        fit = simulate(WORKLOADS[name], args.steps, args.seed + i)
-        heldout = simulate(WORKLOADS[name], args.steps, holdout_seed + i)
-        summaries[name] = {
-            "fit": summarize(fit, args.seed + i),
-            "heldout": summarize(heldout, holdout_seed + i),
-        }
-        print(f"# {name}: {summaries[name]}", file=sys.stderr)
-        if args.save_workloads:
-            Path(args.save_workloads).mkdir(parents=True, exist_ok=True)
-            fit.save(str(Path(args.save_workloads) / f"{name}.json"))
-        workload_rows = padding_rows(name, fit, heldout)
-        if args.latency:
-            bench = bench or LatencyBench(args)
-            steps = sample_steps(heldout, args.latency_steps, holdout_seed)
-            for row in workload_rows:
-                row["ms_per_step"] = bench.time(row["sizes"], steps)
-                print(f"#   {row['ladder']}: {row['ms_per_step']:.3f} ms/step", file=sys.stderr)
-        rows.extend(workload_rows)
-    table = markdown(rows, args.latency)
-    print(table)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "budget": BUDGET,
-                "max_num_seqs": MAX_NUM_SEQS,
-                "steps": args.steps,
-                "seed": args.seed,
-                "holdout_seed": holdout_seed,
-                "device": args.device if args.latency else None,
-                "workloads": summaries,
-                "rows": rows,
-            },
-            indent=1,
-        )
-    )
+
+    def write(**extra) -> None:
+        data = {
+            "budget": BUDGET,
+            "max_num_seqs": MAX_NUM_SEQS,
+            "steps": args.steps,
+            "seed": args.seed,
+            "holdout_seed": holdout_seed,
+            "device": args.device if args.latency else None,
+            "workloads": summaries,
+            "rows": rows,
+            **extra,
+        }
+        tmp = out.with_suffix(out.suffix + ".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, out)  # a reader never sees half a file
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as KeyboardInterrupt
+    stopped = None
+    try:
+        for i, name in enumerate(args.workloads):
+            stopped = f"stopped during {name}"
+            fit = simulate(WORKLOADS[name], args.steps, args.seed + i)
+            heldout = simulate(WORKLOADS[name], args.steps, holdout_seed + i)
+            summaries[name] = {
+                "fit": summarize(fit, args.seed + i),
+                "heldout": summarize(heldout, holdout_seed + i),
+            }
+            print(f"# {name}: {summaries[name]}", file=sys.stderr)
+            if args.save_workloads:
+                Path(args.save_workloads).mkdir(parents=True, exist_ok=True)
+                fit.save(str(Path(args.save_workloads) / f"{name}.json"))
+            workload_rows = padding_rows(name, fit, heldout)
+            rows.extend(workload_rows)  # scored: written now, timed below
+            write()
+            if args.latency:
+                bench = bench or LatencyBench(args)
+                steps = sample_steps(heldout, args.latency_steps, holdout_seed)
+                for row in workload_rows:
+                    row["ms_per_step"] = bench.time(row["sizes"], steps)
+                    print(f"#   {row['ladder']}: {row['ms_per_step']:.3f} ms/step", file=sys.stderr)
+                    write()
+        stopped = None
+    except KeyboardInterrupt:
+        write(stopped=stopped)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(markdown(rows, args.latency))
     print(f"# written to {out}", file=sys.stderr)
+    if stopped:
+        print(f"\n{stopped}: the rows above are what was done (ms/step '-': not timed)")
+        return 124
     return 0
 
 

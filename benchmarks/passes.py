@@ -19,6 +19,10 @@ Variants are timed interleaved, step by step, so that other load on the
 machine falls on all of them alike; on a shared CPU ``--threads 1`` keeps
 OpenMP threads from stalling on each other. Compile seconds are in the JSON
 (the first variant pays the process's first C++ compile).
+
+The JSON is written after every compiled variant and every token count measured, so
+a run cut short keeps what it did; stopped by SIGTERM (the caller's time budget), it
+prints the table of what was measured, marks the JSON ``"stopped"`` and exits 124.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -163,9 +168,9 @@ def sync(device) -> None:
         torch.cuda.synchronize()
 
 
-def measure(models: dict, infos: dict, args: argparse.Namespace) -> None:
+def measure(models: dict, infos: dict, args: argparse.Namespace, done=lambda: None) -> None:
     """Median step time per variant, the variants interleaved step by step, so that
-    other load on the machine falls on all of them alike."""
+    other load on the machine falls on all of them alike; ``done()`` after each token count."""
     import torch
 
     device = torch.device(args.device)
@@ -191,6 +196,7 @@ def measure(models: dict, infos: dict, args: argparse.Namespace) -> None:
                 f"  n={n:4d}: " + ", ".join(f"{k} {infos[k]['ms'][n]:.3f} ms" for k in names),
                 file=sys.stderr,
             )
+            done()
 
 
 def table(results: list[dict], tokens: list[int]) -> str:
@@ -200,9 +206,12 @@ def table(results: list[dict], tokens: list[int]) -> str:
         head += " on vs off |"
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for n in tokens:
-        row = f"| {n} | " + " | ".join(f"{by[v]['ms'][n]:.3f}" for v in by) + " |"
+        ms = {v: by[v]["ms"].get(n) for v in by}  # None: not measured (a run cut short)
+        row = f"| {n} | " + " | ".join("-" if m is None else f"{m:.3f}" for m in ms.values())
+        row += " |"
         if "off" in by and "on" in by:
-            row += f" {by['off']['ms'][n] / by['on']['ms'][n]:.2f}x |"
+            ratio = "-" if None in (ms["off"], ms["on"]) else f"{ms['off'] / ms['on']:.2f}x"
+            row += f" {ratio} |"
         lines.append(row)
     lines.append("")
     lines.append("Fused ops per decoder layer:")
@@ -218,7 +227,16 @@ def table(results: list[dict], tokens: list[int]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
+def write(path: str, data: dict) -> None:
+    """The JSON as it stands, replaced at once (a reader never sees half a file)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
@@ -227,28 +245,43 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: CUDA is not available")
-    models, infos = {}, {}
-    for variant in args.variants:
-        models[variant], infos[variant] = build_variant(variant, args)
-        print(f"  {variant}: compiled in {infos[variant]['compile_s']} s", file=sys.stderr)
-    measure(models, infos, args)
-    results = list(infos.values())
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
     meta = {
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "shape": SHAPE,
     }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=2)
+    models, infos = {}, {}
+
+    def save(**extra) -> None:
+        write(args.out, {"meta": meta, "results": list(infos.values()), **extra})
+
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # as KeyboardInterrupt
+    stopped = None
+    try:
+        for variant in args.variants:
+            models[variant], infos[variant] = build_variant(variant, args)
+            print(f"  {variant}: compiled in {infos[variant]['compile_s']} s", file=sys.stderr)
+            save()
+        measure(models, infos, args, done=save)
+    except KeyboardInterrupt:
+        running = [v for v in args.variants if v not in infos] or ["measuring"]
+        stopped = f"stopped during {running[0]}; not compiled: {', '.join(running[1:]) or '-'}"
+        save(stopped=stopped)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(
         f"Llama-shaped model ({SHAPE['num_hidden_layers']} layers, hidden {SHAPE['hidden_size']}, "
         f"{name}, {torch.get_num_threads()} threads), median ms per step:\n"
     )
-    print(table(results, args.tokens))
+    if infos:
+        print(table(list(infos.values()), args.tokens))
+    if stopped:
+        print(f"\n{stopped}")
+        return 124
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
