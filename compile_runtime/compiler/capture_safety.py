@@ -358,7 +358,8 @@ def trace_finding(error: BaseException) -> Finding:
         GRAPH_BREAK,
         "",
         type(error).__name__,
-        f"the forward is not one graph, so neither FULL nor PIECEWISE can capture it: {first}",
+        "the forward cannot be traced as one graph for every token count, which FULL and "
+        f"PIECEWISE capture need: {first}",
         "move the offending code out of forward, or make it a custom op",
     )
 

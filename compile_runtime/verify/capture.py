@@ -112,8 +112,9 @@ def check_capture(
     module = find_compiled_module(model)
     if module is None:
         raise VerifyError(
-            f"{type(model).__name__} has no module compiled by @compile_runtime.compile; build it "
-            "under a CompilationConfig with mode PIECEWISE (or DYNAMO_TRACE_ONCE) to check it"
+            f"{type(model).__name__} has no module compiled by @compile_runtime.compile (built "
+            "with CompilationMode.NONE, or not decorated); build it under a CompilationConfig "
+            "with mode PIECEWISE (or DYNAMO_TRACE_ONCE) to check it"
         )
     config: CompilationConfig = module.__dict__["_compile_runtime"].config
     tensors = [a for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)]
