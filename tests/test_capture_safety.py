@@ -16,6 +16,7 @@ import pytest
 import torch
 from compile_runtime.backends.attention.registry import load_backend
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import compile_runtime as cr
@@ -122,6 +123,22 @@ def test_a_clean_model_has_no_finding():
     report = check_capture(build(lambda s, x: (s.lin(x) * s.scale).relu()), torch.randn(5, 8))
     assert report.ok and report.findings == [] and report.pieces_checked == 1
     assert "OK: no finding" in report.format()
+
+
+def test_an_aten_graph_is_read_the_same_way():
+    """Graphs after decomposition (make_fx: aten ops, ``meta['val']``) hold the same hazards."""
+
+    def forward(x):
+        return torch.nonzero(x), x[x > 0], torch.zeros(x.long().sum().item())
+
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        gm = make_fx(forward, tracing_mode="symbolic")(torch.rand(4, 8))
+    assert [(f.kind, f.target) for f in cs.check_graph(gm)] == [
+        (cs.DATA_SHAPE, "aten.nonzero.default"),
+        (cs.DATA_SHAPE, "aten.index.Tensor"),
+        (cs.HOST_SYNC, "aten._local_scalar_dense.default"),
+        (cs.DATA_ALLOC, "aten.zeros.default"),
+    ]
 
 
 # ---- CPU tensors in a region meant for CUDA -----------------------------------------

@@ -82,7 +82,7 @@ class CaptureReport:
     def format(self) -> str:
         lines = [
             f"capture safety of {self.model} ({self.mode}, traced on {self.device}): "
-            f"{self.pieces_checked} static pieces checked",
+            f"{self.pieces_checked} static piece(s) checked",
             f"CUDA graphs (attention backends as built on {self.device}): {self.cudagraphs}",
         ]
         if self.device == "cpu":
