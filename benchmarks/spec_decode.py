@@ -35,6 +35,14 @@ models. Workloads (``--prompt-len`` (200) token ids per prompt,
   random tokens between, ending with the first 4 tokens of one of them: the output
   replays the other 28 tokens of that span, then leaves the prompt's text (its orbit
   goes on elsewhere), so drafts stop after one rejection: a middle case;
+* ``loop`` (greedy): random tokens ending with id 1, which ``f`` maps to itself: the
+  output is that one token over and over, as a model stuck in a loop (or text of one
+  repeated token: spaces, rules of ``=``) gives; every earlier stretch of the run is a
+  match, and how many drafts a match gives depends on where in the run it is;
+* ``revised`` (greedy): an old version of a 64-token orbit span (every 16th token
+  replaced by a random one) and, later, the span itself, ending with the span's first
+  4 tokens, as when a text was edited and the model copies the latest version: the
+  old version matches too, and its drafts are rejected at its replaced tokens;
 * ``random`` (greedy): uniformly random tokens: the output's orbit is not in the prompt,
   so no match and no draft: what speculation costs when it cannot help;
 * ``random_sampled``: the same kind of prompts at temperature 1 (``seed=i`` for the
@@ -105,12 +113,14 @@ ENGINE = dict(
     enable_prefix_caching=False,  # every round computes the same prompts from scratch
     kv_cache_bytes=256 * 2**20,  # every request of a row at once: no preemption
 )
-WORKLOADS = ("copy", "partial", "random", "random_sampled")
-GREEDY = {"copy": True, "partial": True, "random": True, "random_sampled": False}
+WORKLOADS = ("copy", "partial", "loop", "revised", "random", "random_sampled")
+GREEDY = {w: w != "random_sampled" for w in WORKLOADS}
 # Summary checks at batch 1: (which k > 0 side, target on its speedup over k=0).
 TARGETS = {
     "copy": ("best", 1.5),
     "partial": ("best", None),  # for information
+    "loop": ("best", None),
+    "revised": ("best", None),
     "random": ("slowest", 0.95),
     "random_sampled": ("slowest", 0.95),
 }
@@ -119,6 +129,8 @@ COPIER_SEED = 0
 FIRST = 3  # token ids below are special (pad, bos, eos): outside f's cycle
 CUE = 4  # the span tokens that end a copy prompt
 PARTIAL_SPANS, PARTIAL_SPAN_LEN = 4, 32
+LOOP_TOKEN = 1  # f maps it to itself
+REVISED_SPAN_LEN, REVISED_EVERY = 64, 16
 LEFT_OUT = [
     "trained models (the copier copies exactly whenever its prompt holds the orbit)",
     "prefix caching (off on every side)",
@@ -284,11 +296,29 @@ def span_prompt(rng: random.Random, f: list[int], length: int, spans: int, span_
     return prompt + rng.choice(pieces)[:CUE]
 
 
+def revised_prompt(rng: random.Random, f: list[int], length: int) -> list[int]:
+    """Random tokens around an old version of an orbit span (every REVISED_EVERY-th token
+    replaced) and, after it, the span, ending with the span's first CUE tokens."""
+    span = orbit(f, rng.randrange(FIRST, len(f)), REVISED_SPAN_LEN)
+    old = [
+        rng.randrange(FIRST, len(f)) if i and i % REVISED_EVERY == 0 else t
+        for i, t in enumerate(span)
+    ]
+    gaps = split(rng, length - 2 * REVISED_SPAN_LEN - CUE, 3)
+    return (
+        tokens(rng, gaps[0]) + old + tokens(rng, gaps[1]) + span + tokens(rng, gaps[2]) + span[:CUE]
+    )
+
+
 def make_prompt(workload: str, rng: random.Random, f: list[int], length: int) -> list[int]:
     if workload == "copy":
         return span_prompt(rng, f, length, 1, max(2 * CUE, length * 4 // 5))
     if workload == "partial":
         return span_prompt(rng, f, length, PARTIAL_SPANS, PARTIAL_SPAN_LEN)
+    if workload == "loop":
+        return tokens(rng, length - 1) + [LOOP_TOKEN]
+    if workload == "revised":
+        return revised_prompt(rng, f, length)
     return tokens(rng, length)
 
 

@@ -51,9 +51,11 @@ def reference_draft(tokens: list[int], k: int, min_n: int, max_n: int) -> list[i
         if length <= n:
             continue
         suffix = tokens[length - n :]
-        for start in range(length - n - 1, -1, -1):  # most recent first
-            if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+        starts = [s for s in range(length - n) if tokens[s : s + n] == suffix]
+        if starts:
+            complete = [s for s in starts if s + n + k <= length]  # k known tokens after it
+            start = complete[-1] if complete else starts[0]  # the most recent, else the earliest
+            return tokens[start + n : start + n + k]
     return []
 
 
@@ -67,12 +69,19 @@ def propose(rows: list[list[int]], k=3, min_n=1, max_n=3) -> list[list[int]]:
     return NgramProposer(k, min_n, max_n).propose(array, lengths)
 
 
-def test_proposer_takes_the_most_recent_longest_match():
+def test_proposer_takes_the_longest_most_recent_match_with_k_tokens_after_it():
     assert propose([[1, 2, 3, 9, 1, 2, 3, 8, 5, 1, 2, 3]]) == [[8, 5, 1]]  # latest 1 2 3
-    assert propose([[4, 5, 6, 1, 9, 5, 6, 2, 6]], min_n=1) == [[2, 6]]  # n=1: the latest 6
+    # An edited text: the latest version, not the first.
+    assert propose([[1, 2, 3, 9, 4, 1, 2, 3, 8, 4, 1, 2]], k=2) == [[3, 8]]
+    # n=1: the latest 6 has 2 tokens after it, fewer than k=3: the latest with 3.
+    assert propose([[4, 5, 6, 1, 9, 5, 6, 2, 6]], min_n=1) == [[1, 9, 5]]
     assert propose([[4, 5, 6, 1, 9, 5, 6, 2, 6]], min_n=2) == [[]]  # no 2-gram "2 6" before
     assert propose([[1, 2, 3]]) == [[]]
     assert propose([[5, 5]], k=4) == [[5]]  # only known tokens are drafted
+    # A run of one token: no match has k tokens after it yet, so the earliest (the most
+    # tokens after it), not the latest (one token); then the latest with k.
+    assert propose([[7, 5, 5, 5, 5, 5]]) == [[5, 5]]
+    assert propose([[7] + [5] * 8]) == [[5, 5, 5]]
 
 
 @settings(max_examples=200, deadline=None)

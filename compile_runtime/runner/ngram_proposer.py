@@ -1,12 +1,20 @@
 """Draft tokens by n-gram lookup in a request's own tokens (prompt lookup decoding).
 
 For each request, the last n tokens are searched for earlier in its prompt and
-output, n from ``max_n`` down to ``min_n``; at the most recent earlier
-occurrence, the (up to k) tokens that followed it are the draft. Text that
-repeats itself (code, quoted passages, lists, a model looping) gives drafts the
-model accepts; text that does not gives no match and so no draft: a request
-without a match is scheduled for one token as usual, so speculation costs
-nothing but the lookup where it cannot help.
+output, n from ``max_n`` down to ``min_n`` (the longest n with a match wins); the
+tokens that followed the chosen occurrence, up to k, are the draft. The chosen one
+is the most recent occurrence followed by k known tokens; when every occurrence is
+closer than that to the end (text repeating with a period shorter than k, a model
+looping on one token), the earliest, which is followed by the most. Measured on
+``benchmarks/spec_decode.py`` (k = 4): the most recent occurrence alone drafts one
+token a step on a run of one repeated token (66 steps for 128 tokens, against 32);
+the earliest alone drafts from an old version of a revised text and has a quarter of
+its drafts rejected (38 steps against 32); this rule takes the better of the two on
+both, and all three are the same where the text occurs once. Text that repeats
+itself (code, quoted passages, lists, a model looping) gives drafts the model
+accepts; text that does not gives no match and so no draft: a request without a
+match is scheduled for one token as usual, so speculation costs nothing but the
+lookup where it cannot help.
 
 The lookup is vectorised over the batch and costs one comparison of the
 token array per n: a match of the last n tokens ending at position j is a
@@ -38,9 +46,11 @@ class NgramProposer:
         width = int(lengths.max())
         tokens = token_ids[:, :width]
         rows = np.arange(num_rows)
+        columns = np.arange(width)[None, :]
         # A match may end at j only if a known token follows it (which also rules out the
-        # suffix itself): j <= length - 2.
-        match = np.arange(width)[None, :] <= (lengths - 2)[:, None]
+        # suffix itself): j <= length - 2; k known tokens follow it when j <= length - 1 - k.
+        match = columns <= (lengths - 2)[:, None]
+        complete = columns <= (lengths - 1 - self.k)[:, None]
         end = np.full(num_rows, -1, dtype=np.int64)  # the best match's last position
         for n in range(1, self.max_n + 1):
             # match[r, j]: tokens[r, j - n + 1 : j + 1] equal the row's last n tokens.
@@ -51,8 +61,11 @@ class NgramProposer:
             if not found.any():
                 break
             if n >= self.min_n:  # a longer match overrides a shorter one
-                last = width - 1 - np.argmax(match[:, ::-1], axis=1)
-                end[found] = last[found]
+                full = match & complete
+                latest_full = width - 1 - np.argmax(full[:, ::-1], axis=1)
+                earliest = np.argmax(match, axis=1)
+                best = np.where(full.any(axis=1), latest_full, earliest)
+                end[found] = best[found]
         for row in np.nonzero(end >= 0)[0].tolist():
             begin = int(end[row]) + 1
             stop = min(begin + self.k, int(lengths[row]))
