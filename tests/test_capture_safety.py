@@ -25,7 +25,12 @@ from compile_runtime.compiler import capture_safety as cs
 from compile_runtime.compiler.decorator import compiled_model, set_graph_factory
 from compile_runtime.config import AttentionCGSupport, CompilationConfig
 from compile_runtime.verify import cli as verify_cli
-from compile_runtime.verify.capture import CaptureReport, check_capture, check_capture_model_dir
+from compile_runtime.verify.capture import (
+    CaptureReport,
+    check_capture,
+    check_capture_model_dir,
+    cudagraph_note,
+)
 
 EAGER = {"backend": "eager"}
 
@@ -251,11 +256,11 @@ def test_no_warning_on_a_cpu_run_without_graphs(caplog):
 def test_cudagraph_note_against_the_declared_support():
     never = load_backend("torch_native")
     assert never.cg_support == AttentionCGSupport.NEVER
-    line, findings = cs.cudagraph_note(CompilationConfig(), [never], attention_split=True)
+    line, findings = cudagraph_note(CompilationConfig(), [never], attention_split=True)
     assert "FULL_AND_PIECEWISE -> PIECEWISE" in line and "torch_native (NEVER)" in line
     assert findings == []
     explicit = CompilationConfig(cudagraph_mode="FULL")
-    line, (finding,) = cs.cudagraph_note(explicit, [never], attention_split=False)
+    line, (finding,) = cudagraph_note(explicit, [never], attention_split=False)
     assert finding.kind == cs.CUDAGRAPH_MODE and finding.fix.startswith("Set cudagraph_mode")
 
 

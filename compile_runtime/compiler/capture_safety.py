@@ -11,10 +11,8 @@ graph of each static piece after the split: the ops by name, the data-dependent 
 their unbacked symbols (``node.meta['val']`` / Dynamo's ``'example_value'``), the CPU
 tensors by device against the graph's device.
 
-What never reaches a graph is a trace failure instead: with ``fullgraph=True`` a
-data-dependent branch or an unsupported call stops Dynamo; ``trace_finding`` turns that
-error into a finding. ``cudagraph_note`` says what cudagraph mode the attention backends'
-declared ``AttentionCGSupport`` leaves on a GPU.
+What never reaches a graph (with ``fullgraph=True`` a data-dependent branch or an
+unsupported call stops Dynamo) is a finding of the model check, ``verify/capture.py``.
 """
 
 from __future__ import annotations
@@ -30,13 +28,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
-from compile_runtime.config import (
-    AttentionCGSupport,
-    CompilationConfig,
-    CompilationMode,
-    CUDAGraphMode,
-    CudagraphModeError,
-)
+from compile_runtime.config import CompilationConfig, CompilationMode, CUDAGraphMode
 
 logger = logging.getLogger(__name__)
 
@@ -311,16 +303,34 @@ def check_pieces(pieces: Iterable[Any], device: torch.device | str | None = None
     return findings
 
 
-def capture_meant(config: CompilationConfig, device: torch.device | None, stand_in: bool) -> bool:
+def capture_meant(config: CompilationConfig, device: torch.device, stand_in: bool) -> bool:
     """Whether this model's graphs may be captured: a cudagraph mode, a traced mode, and
     CUDA (or a graph factory standing in for it, ``stand_in``)."""
     traced = config.mode in (CompilationMode.PIECEWISE, CompilationMode.DYNAMO_TRACE_ONCE)
-    on_gpu = device is not None and device.type == "cuda"
+    on_gpu = device.type == "cuda"
     return traced and config.cudagraph_mode != CUDAGraphMode.NONE and (on_gpu or stand_in)
 
 
-def log_findings(model_tag: str, findings: Sequence[Finding]) -> None:
-    """One warning per finding (the graph compiler's hook, when graphs are meant)."""
+def warn_at_compile(
+    model_tag: str,
+    config: CompilationConfig,
+    pieces: Sequence[Any],
+    example_inputs: Sequence[Any],
+    stand_in: bool = False,
+) -> list[Finding]:
+    """The graph compiler's hook, after the split: one warning per finding when graphs are
+    meant. Advisory: a check that fails is logged (debug) and never stops the compile."""
+    device = next(
+        (t.device for t in _tensors(list(example_inputs)) if t.device.type != "cpu"),
+        torch.device("cpu"),
+    )
+    if not capture_meant(config, device, stand_in):
+        return []
+    try:
+        findings = check_pieces(pieces, device)
+    except Exception:  # noqa: BLE001 - never let the advisory check break a compile
+        logger.debug("%s: capture safety check failed", model_tag, exc_info=True)
+        return []
     for f in findings:
         logger.warning(
             "%s: capture safety: %s %s at %s (%s): %s. Fix: %s",
@@ -332,61 +342,4 @@ def log_findings(model_tag: str, findings: Sequence[Finding]) -> None:
             f.why,
             f.fix,
         )
-
-
-# ---- the trace and the mode -----------------------------------------------------------
-
-
-def trace_finding(error: BaseException) -> Finding:
-    """A trace that failed (``GraphBreakError``, Dynamo's data-dependent guard) as a finding."""
-    text = str(error).strip()
-    for prefix in ("Dynamo stopped at:",):
-        if prefix in text:
-            text = text.split(prefix, 1)[1].strip()
-    first = text.splitlines()[0] if text else type(error).__name__
-    lowered = text.lower()
-    if "data-dependent" in lowered or "data dependent" in lowered:
-        return Finding(
-            DATA_BRANCH,
-            "",
-            type(error).__name__,
-            f"Python control flow on a tensor value cannot be one graph: {first}",
-            "branch on the device (torch.where, masking) or decide in the runner and pass the "
-            "result in; a torch._check(...) can tell the tracer a bound it cannot see",
-        )
-    return Finding(
-        GRAPH_BREAK,
-        "",
-        type(error).__name__,
-        "the forward cannot be traced as one graph for every token count, which FULL and "
-        f"PIECEWISE capture need: {first}",
-        "move the offending code out of forward, or make it a custom op",
-    )
-
-
-def cudagraph_note(
-    config: CompilationConfig,
-    backends: Iterable[Any],
-    attention_split: bool,
-    uniform_decode_query_len: int = 1,
-) -> tuple[str, list[Finding]]:
-    """The mode ``config`` resolves to on a GPU against the declared support of ``backends``
-    (attention backend classes, each with ``name`` and ``cg_support``), as one line; a
-    finding when an explicit request cannot run at all."""
-    backends = sorted(set(backends), key=lambda b: b.name)
-    support = min((b.cg_support for b in backends), default=AttentionCGSupport.ALWAYS)
-    declared = ", ".join(f"{b.name} ({b.cg_support.name})" for b in backends) or "none"
-    requested = config.cudagraph_mode
-    try:
-        resolved = config.resolve(
-            support,
-            attention_split=attention_split,
-            uniform_decode_query_len=uniform_decode_query_len,
-            cuda_available=True,
-        ).cudagraph_mode
-    except CudagraphModeError as e:
-        why, _, fix = str(e).partition(". Set ")
-        finding = Finding(CUDAGRAPH_MODE, "", requested.name, why, "Set " + fix)
-        return f"cudagraph_mode {requested.name}: no graph can run ({declared})", [finding]
-    line = f"cudagraph_mode {requested.name} -> {resolved.name} on CUDA; attention: {declared}"
-    return line, []
+    return findings

@@ -24,7 +24,7 @@ from compile_runtime.backends.compiler import make_adaptor
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import key_factors, source_digests
 from compile_runtime.cache.location import cache_root
-from compile_runtime.compiler.capture_safety import capture_meant, check_pieces, log_findings
+from compile_runtime.compiler.capture_safety import warn_at_compile
 from compile_runtime.compiler.graph_hash import piece_hash
 from compile_runtime.compiler.piece_store import CompileResult, PieceCompiler
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
@@ -101,9 +101,10 @@ class GraphCompiler:
         gm = self.pass_manager(gm)
         check_splitting_ops(self.splitting_ops)
         split_gm, pieces = split_graph(gm, self.splitting_ops)
-        device = _graph_device(fake_args)
-        if capture_meant(self.config, device, stand_in=self.graph_factory is not None):
-            log_findings(self.model_tag, check_pieces(pieces, device))  # capture_safety.py
+        # What would break a CUDA graph, warned at compile when graphs are meant.
+        warn_at_compile(
+            self.model_tag, self.config, pieces, fake_args, self.graph_factory is not None
+        )
         builder = self.program_builder if self.cache is not None else None
         if builder is not None:
             builder.start(gm, split_gm, pieces)

@@ -11,6 +11,7 @@ ones a GPU run traces.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,11 +23,11 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.compiler.capture_safety import (
+    CUDAGRAPH_MODE,
+    DATA_BRANCH,
     GRAPH_BREAK,
     Finding,
     check_pieces,
-    cudagraph_note,
-    trace_finding,
 )
 from compile_runtime.compiler.compiled_forward import GraphBreakError
 from compile_runtime.compiler.decorator import (
@@ -36,7 +37,12 @@ from compile_runtime.compiler.decorator import (
     is_traced,
     trace_at_first_call,
 )
-from compile_runtime.config import CompilationConfig, parse_config
+from compile_runtime.config import (
+    AttentionCGSupport,
+    CompilationConfig,
+    CudagraphModeError,
+    parse_config,
+)
 from compile_runtime.counters import compilation_counter
 from compile_runtime.device import resolve_device
 from compile_runtime.forward_context import is_forward_context_available, set_forward_context
@@ -154,6 +160,58 @@ def check_capture(
     )
     report.findings += mode_findings
     return report
+
+
+def trace_finding(error: BaseException) -> Finding:
+    """A trace that failed (``GraphBreakError``, Dynamo's data-dependent guard) as a finding."""
+    text = str(error).strip().split("Dynamo stopped at:")[-1].strip()  # our error's wrapping
+    first = text.splitlines()[0] if text else type(error).__name__
+    lowered = text.lower()
+    if "data-dependent" in lowered or "data dependent" in lowered:
+        return Finding(
+            DATA_BRANCH,
+            "",
+            type(error).__name__,
+            f"Python control flow on a tensor value cannot be one graph: {first}",
+            "branch on the device (torch.where, masking) or decide in the runner and pass the "
+            "result in; a torch._check(...) can tell the tracer a bound it cannot see",
+        )
+    return Finding(
+        GRAPH_BREAK,
+        "",
+        type(error).__name__,
+        "the forward cannot be traced as one graph for every token count, which FULL and "
+        f"PIECEWISE capture need: {first}",
+        "move the offending code out of forward, or make it a custom op",
+    )
+
+
+def cudagraph_note(
+    config: CompilationConfig,
+    backends: Iterable[Any],
+    attention_split: bool,
+    uniform_decode_query_len: int = 1,
+) -> tuple[str, list[Finding]]:
+    """The mode ``config`` resolves to on a GPU against the declared support of ``backends``
+    (attention backend classes, each with ``name`` and ``cg_support``), as one line; a
+    finding when an explicit request cannot run at all."""
+    backends = sorted(set(backends), key=lambda b: b.name)
+    support = min((b.cg_support for b in backends), default=AttentionCGSupport.ALWAYS)
+    declared = ", ".join(f"{b.name} ({b.cg_support.name})" for b in backends) or "none"
+    requested = config.cudagraph_mode
+    try:
+        resolved = config.resolve(
+            support,
+            attention_split=attention_split,
+            uniform_decode_query_len=uniform_decode_query_len,
+            cuda_available=True,
+        ).cudagraph_mode
+    except CudagraphModeError as e:
+        why, _, fix = str(e).partition(". Set ")
+        finding = Finding(CUDAGRAPH_MODE, "", requested.name, why, "Set " + fix)
+        return f"cudagraph_mode {requested.name}: no graph can run ({declared})", [finding]
+    line = f"cudagraph_mode {requested.name} -> {resolved.name} on CUDA; attention: {declared}"
+    return line, []
 
 
 def _first_call(module: torch.nn.Module, num_tokens: int, *args: Any, **kwargs: Any) -> None:
