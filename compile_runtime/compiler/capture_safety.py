@@ -238,8 +238,11 @@ def _default_device(node: torch.fx.Node, name: str) -> Rule | None:
     Seen on any machine (the value's device is the CPU there either way); aten-level
     graphs always carry the device, so only Dynamo's torch-level calls are read.
     """
-    torch_level = node.op == "call_function" and not isinstance(
-        node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    target = node.target  # torch.zeros, not aten.zeros.default nor a Python builtin
+    torch_level = (
+        node.op == "call_function"
+        and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        and (getattr(target, "__module__", None) or "").startswith("torch")
     )
     if not torch_level or "device" in node.kwargs:
         return None
