@@ -5,10 +5,16 @@
 #
 #   bash scripts/fetch_device_wheels.sh
 #
-# Then carry the folder on every device call; gpu_check.sh installs the wheels
+# Then carry the folder on both device calls; gpu_check.sh installs the wheels
 # with --no-deps into /tmp, so the device's own torch is never replaced:
 #
 #   run(command="bash scripts/gpu_check.sh a", carry=[".whl"], timeout_s=330)
+#   run(command="bash scripts/gpu_check.sh b", carry=[".whl"], timeout_s=330)
+#
+# Only what compile_runtime needs to import is fetched. The device has pytest, hypothesis
+# and pytest-timeout; it lacks openai, jsonschema, fastapi, uvicorn (the server tests' and
+# structured-output tests' modules skip there: pytest.importorskip) and gguf, xgrammar
+# (imported lazily, by no CUDA test or GPU benchmark).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
