@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+
+pytest.importorskip("hypothesis")
 from hypothesis import given
 from hypothesis import strategies as st
 
