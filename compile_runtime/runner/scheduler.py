@@ -234,17 +234,24 @@ class Scheduler:
             i += 1
         preempted_any = self.num_preemptions > preemptions_before
 
-        # Under memory pressure nobody new joins this step.
+        # Under memory pressure nobody new joins this step. A request whose grammar is still
+        # compiling keeps its place in the queue and is passed over (the running batch and
+        # the requests behind it go on); only with nothing else to run does the last of the
+        # queue wait for its grammar.
+        grammars = self.structured_outputs
+        w = 0  # the queue position looked at
         while (
             not preempted_any
-            and self.waiting
+            and w < len(self.waiting)
             and len(self.running) < self.max_num_seqs
             and budget > 0
         ):
-            req = self.waiting[0]
-            grammars = self.structured_outputs
-            if grammars is not None and not grammars.ready(req, wait=not self.running):
-                break  # its grammar is still compiling: the running batch goes on
+            req = self.waiting[w]
+            if grammars is not None:
+                idle = not self.running and w == len(self.waiting) - 1
+                if not grammars.ready(req, wait=idle):
+                    w += 1
+                    continue
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.block_size
             num_new = self._num_tokens_to_compute(req, num_cached)
@@ -257,7 +264,7 @@ class Scheduler:
             self.block_pool.touch(cached)
             blocks = self.block_pool.allocate(needed)
             assert blocks is not None  # checked just above
-            self.waiting.popleft()
+            del self.waiting[w]
             if self.enable_prefix_caching:
                 self.prefix_cache_stats.queries += req.num_tokens
                 self.prefix_cache_stats.hits += num_cached
@@ -279,18 +286,9 @@ class Scheduler:
             )
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
-        if self.structured_outputs is not None:
-            self._grammar_bitmasks(out)
+        if grammars is not None:
+            out.grammar_bitmask = grammars.bitmasks(out, self.requests)
         return out
-
-    def _grammar_bitmasks(self, out: SchedulerOutput) -> None:
-        """Each constrained request that samples this step: its logits rows' bitmasks."""
-        grammars = self.structured_outputs
-        for req_id, n in out.num_scheduled_tokens.items():
-            req = self.requests[req_id]
-            if grammars.is_constrained(req_id) and req.num_computed_tokens + n >= req.num_tokens:
-                drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
-                out.grammar_bitmask[req_id] = grammars.bitmask(req_id, drafts)
 
     def _num_tokens_to_compute(self, req: Request, num_computed: int | None = None) -> int:
         """1 (+ drafts) for a decode; the rest of the prompt (maybe capped) while prefilling."""

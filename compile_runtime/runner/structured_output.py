@@ -143,6 +143,17 @@ class StructuredOutputManager:
             matcher.rollback(accepted)
         return rows.numpy()
 
+    def bitmasks(self, out: Any, requests: dict[str, Request]) -> dict[str, np.ndarray]:
+        """The bitmasks of a step (``out``: a SchedulerOutput) for each constrained request
+        that samples in it: its whole known sequence computed by the step's end."""
+        masks = {}
+        for req_id, n in out.num_scheduled_tokens.items():
+            req = requests[req_id]
+            if req_id in self._matchers and req.num_computed_tokens + n >= req.num_tokens:
+                drafts = out.scheduled_spec_decode_tokens.get(req_id, [])
+                masks[req_id] = self.bitmask(req_id, drafts)
+        return masks
+
     def accept(self, req_id: str, tokens: list[int]) -> RequestStatus | None:
         """Advance the request's matcher by the tokens it kept: STOPPED when its grammar
         ended, ABORTED (logged) for a token outside it, never a quiet wrong answer."""
