@@ -4,13 +4,20 @@ and the inputs of start-up capture (attention metadata only for FULL graphs)."""
 from __future__ import annotations
 
 import tracemalloc
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
+import torch
+from compile_runtime.backends.attention import torch_native
+from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
 
-from compile_runtime.config import CUDAGraphMode
+from compile_runtime.attention import layer as attention_layer
+from compile_runtime.config import CUDAGraphMode, RunnerConfig
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor.base import ExecutorError
+from compile_runtime.runner import startup
 from compile_runtime.runner.block_pool import BlockPool
 from compile_runtime.runner.kv_sizing import (
     CudaMemory,
@@ -18,6 +25,13 @@ from compile_runtime.runner.kv_sizing import (
     most_blocks_needed,
 )
 from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.runner.step_inputs import (
+    StepBuffers,
+    StepInputs,
+    pins_staging,
+    profile_query_lens,
+    staging_buffer,
+)
 
 EAGER = {"backend": "eager"}
 GiB = 2**30
@@ -30,15 +44,84 @@ def test_most_blocks_needed_rounds_each_request_up_and_adds_the_null_block():
 
 
 def test_cuda_budget_is_this_engines_share_within_what_is_free():
-    # 100 GiB device, 0.5 share: 50 - 2 (own peak) - 1 (graph pool estimate) = 47 GiB.
-    memory = CudaMemory(total=100 * GiB, free=90 * GiB, own_peak=2 * GiB, activations=1 * GiB)
+    # 100 GiB device, 0.5 share, 2 GiB of weights + 1 GiB of activations: 50 - 3 = 47 GiB
+    # (the activations once: they are in the own peak).
+    memory = CudaMemory(total=100 * GiB, free=90 * GiB, own_peak=3 * GiB, activations=1 * GiB)
     assert cuda_kv_budget(memory, 0.5) == 47 * GiB
-    # Another engine holds most of the device: only what is free (less the graph pool).
-    crowded = CudaMemory(total=100 * GiB, free=10 * GiB, own_peak=2 * GiB, activations=1 * GiB)
+    # Another engine holds most of the device: what is free less the steps' activations.
+    crowded = CudaMemory(total=100 * GiB, free=10 * GiB, own_peak=3 * GiB, activations=1 * GiB)
     assert cuda_kv_budget(crowded, 0.9) == 9 * GiB
     # Nothing left is 0, not a negative budget.
-    full = CudaMemory(total=100 * GiB, free=0, own_peak=2 * GiB, activations=1 * GiB)
+    full = CudaMemory(total=100 * GiB, free=0, own_peak=3 * GiB, activations=1 * GiB)
     assert cuda_kv_budget(full, 0.9) == 0
+
+
+def test_cuda_blocks_subtract_the_profiles_activations_once(monkeypatch):
+    """num_kv_blocks on a pretend 100 GiB device: 1 GiB held before this engine, 2 GiB of
+    weights, a 3 GiB activation peak in the profile (freed since), 80 GiB free."""
+    cuda = startup.torch.cuda
+    for name in ("synchronize", "empty_cache"):
+        monkeypatch.setattr(cuda, name, lambda *a: None)
+    monkeypatch.setattr(cuda, "mem_get_info", lambda device: (80 * GiB, 100 * GiB))
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda device: (1 + 2 + 3) * GiB)
+    monkeypatch.setattr(cuda, "memory_allocated", lambda device: (1 + 2) * GiB)
+    # 32 layers of 8 KV heads of 128 in fp16, 16-token blocks: 2 MiB a block.
+    layers = [SimpleNamespace(num_kv_heads=8, head_size=128)] * 32
+    config = RunnerConfig(
+        max_num_seqs=256, max_model_len=8192, block_size=16, gpu_memory_utilization=0.5
+    )
+    blocks = startup.num_kv_blocks(config, layers, torch.float16, torch.device("cuda"), 1 * GiB)
+    # 50 GiB share - (2 + 3) GiB own peak = 45 GiB (within 80 - 3 free): 23040 blocks; the
+    # activations subtracted twice gave 42 GiB, 21504 blocks.
+    assert blocks == 45 * GiB // (2 * 2**20) == 23040
+
+
+def test_profile_query_lens_spread_the_tokens_over_the_requests():
+    assert profile_query_lens(8192, 256).tolist() == [32] * 256
+    assert profile_query_lens(10, 4).tolist() == [3, 3, 2, 2]
+    assert profile_query_lens(3, 8).tolist() == [1, 1, 1]
+    assert max(profile_query_lens(1000, 7)) == 143  # ceil(1000 / 7)
+
+
+def test_profiling_forward_builds_no_mask_over_all_its_tokens(model_dirs, monkeypatch):
+    """The first forward runs max_num_tokens = 512 tokens as max_num_seqs = 16 requests of 32
+    through the paged backend (torch_native: one dense attention per request), never the
+    metadata-less dense attention over all 512 as one sequence ([512, 512] mask)."""
+    monkeypatch.setenv(ATTENTION_ENV, "torch_native")
+    whole, per_request = [], []
+
+    def recording(calls, real):
+        def attention(query, key, *args, **kwargs):
+            calls.append((query.shape[0], key.shape[0]))
+            return real(query, key, *args, **kwargs)
+
+        return attention
+
+    monkeypatch.setattr(
+        attention_layer,
+        "dense_causal_attention",
+        recording(whole, attention_layer.dense_causal_attention),
+    )
+    monkeypatch.setattr(
+        torch_native,
+        "dense_causal_attention",
+        recording(per_request, torch_native.dense_causal_attention),
+    )
+    with LLM(
+        model_dirs("llama"),
+        EAGER,
+        device="cpu",
+        max_num_seqs=16,
+        max_model_len=256,
+        max_num_batched_tokens=512,
+    ) as llm:
+        assert llm.runner.max_num_tokens == 512
+        assert whole == []
+        layers = len(llm.runner.layers)
+        assert per_request == [(32, 32)] * 16 * layers  # the largest mask: [32, 32]
+        assert all(layer.kv_cache.shape[1] == llm.runner.num_blocks for layer in llm.runner.layers)
+        out = llm.generate([[1, 2, 3]], GREEDY, progress=False)
+        assert len(out[0].token_ids) == 4
 
 
 def test_tiny_model_takes_only_the_blocks_it_can_use(model_dirs):
@@ -162,3 +245,55 @@ def test_engine_device_is_explicit_after_start(model_dirs):
     with LLM(model_dirs("llama"), EAGER, max_model_len=64) as llm:  # no device named
         assert llm.executor.config.device == "cpu"  # the suite's pin, written into the config
         assert llm.runner.device.type == "cpu"
+
+
+# ---- host-to-device staging of the step's inputs ----------------------------------------
+
+
+def fake_step(n: int) -> StepInputs:
+    return StepInputs(
+        req_ids=["a"],
+        rows=np.array([0]),
+        num_scheduled=np.array([n]),
+        num_computed=np.array([0]),
+        cu_num_scheduled=np.array([n]),
+        token_ids=np.arange(100, 100 + n),
+        positions=np.arange(n),
+        slot_mapping=torch.arange(16, 16 + n),
+    )
+
+
+def test_staging_is_pinned_for_cuda_only():
+    assert pins_staging(torch.device("cuda")) and pins_staging("cuda:1")
+    assert not pins_staging("cpu") and not pins_staging(torch.device("meta"))
+    buffer = staging_buffer((2, 8), torch.int32, "cpu")
+    assert buffer.shape == (2, 8) and buffer.dtype == torch.int32 and not buffer.is_pinned()
+
+
+def test_cpu_step_buffers_are_their_own_staging():
+    """On a CPU nothing is pinned and load writes the step buffers themselves (one copy);
+    padded tokens are id 0 at position 0."""
+    buffers = StepBuffers(16, torch.device("cpu"))
+    own = (buffers.input_ids, buffers.positions, buffers.slot_mapping)
+    assert all(host is buffer for host, buffer in zip(buffers.staging, own, strict=True))
+    assert not any(t.is_pinned() for t in buffers.staging)
+    buffers.input_ids.fill_(9)
+    buffers.load(fake_step(5), num_padded=8)
+    ids, positions = buffers.forward_args(8)
+    assert ids.tolist() == [100, 101, 102, 103, 104, 0, 0, 0]
+    assert positions.tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
+    assert buffers.slot_mapping[:5].tolist() == [16, 17, 18, 19, 20]
+
+
+@pytest.mark.cuda
+def test_cuda_step_buffers_copy_from_pinned_staging():
+    buffers = StepBuffers(16, torch.device("cuda"))
+    assert all(host.is_pinned() and host.device.type == "cpu" for host in buffers.staging)
+    assert staging_buffer(4, torch.long, "cuda").is_pinned()
+    for n in (5, 3):  # the second step rewrites the staging after the first's copies
+        buffers.load(fake_step(n), num_padded=8)
+        ids, positions = buffers.forward_args(8)
+        assert ids.is_cuda
+        assert ids.tolist() == [*range(100, 100 + n)] + [0] * (8 - n)
+        assert positions.tolist() == [*range(n)] + [0] * (8 - n)
+        assert buffers.slot_mapping[:n].tolist() == [*range(16, 16 + n)]

@@ -38,21 +38,27 @@ def most_blocks_needed(max_num_seqs: int, max_model_len: int, block_size: int) -
 
 @dataclass(frozen=True)
 class CudaMemory:
-    """What the runner measured after loading its weights and one forward at the largest size."""
+    """What the runner measured after loading its weights and the profiling forward (one
+    forward at the largest step size, ``startup.profile_metadata``)."""
 
     total: int  # device memory
     free: int  # free on the device now (other processes and engines subtracted)
-    own_peak: int  # this runner's peak allocation: weights + the largest forward's activations
-    activations: int  # the largest forward's activations (a CUDA graph pool needs as much)
+    own_peak: int  # this runner's peak allocation: weights + the profile's activations
+    activations: int  # the profile's activations: freed now (so in ``free``), needed by steps
 
 
 def cuda_kv_budget(memory: CudaMemory, gpu_memory_utilization: float) -> int:
-    """Bytes for the KV cache: this engine's share minus its own use, within what is free.
+    """Bytes for the KV cache: this engine's share less its own peak, within what is free
+    less the activations.
 
-    The graphs captured after the cache is allocated need about one forward's
-    activations, so that is held back from both.
+    Each term counts the activations once: ``own_peak`` holds them, and ``free``
+    holds them too (freed after the profile) while every step needs them again. The
+    CUDA graphs captured after the cache take their pool on top, from the device's
+    remaining ``1 - gpu_memory_utilization``, as in vLLM's accounting (the pool holds
+    the activations of the largest capture size, usually well below a step of
+    ``max_num_tokens``).
     """
-    share = int(memory.total * gpu_memory_utilization) - memory.own_peak - memory.activations
+    share = int(memory.total * gpu_memory_utilization) - memory.own_peak
     return max(0, min(share, memory.free - memory.activations))
 
 

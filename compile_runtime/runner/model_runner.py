@@ -58,6 +58,7 @@ from compile_runtime.runner.startup import (
     StartupTimes,
     allocate_kv_cache_for,
     allocated_bytes,
+    profile_metadata,
 )
 from compile_runtime.runner.step_inputs import (
     StepBuffers,
@@ -159,9 +160,22 @@ class ModelRunner:
         start = time.perf_counter()
         programs = compilation_counter.num_programs_loaded
         n = self.max_num_tokens
-        # The bare compiled model (graphs are planned after it); attention runs dense, no cache.
-        with torch.inference_mode(), set_forward_context(None, num_tokens=n):
-            self.model.model(*self.buffers.forward_args(n))
+        # The bare compiled model (graphs are planned after it), on the profile batch: n tokens
+        # in max_num_seqs requests over a throwaway cache (startup.py).
+        profile = profile_metadata(
+            self.layers,
+            self.metadata_groups,
+            self.buffers.slot_mapping,
+            self.config,
+            n,
+            self.input_batch.block_table.max_blocks_per_req,
+            self.dtype,
+            self.device,
+        )
+        # (The metadata outside inference mode: the builders' buffers it makes are kept.)
+        with profile as metadata, torch.inference_mode():
+            with set_forward_context(metadata, num_tokens=n):
+                self.model.model(*self.buffers.forward_args(n))
         times = self.startup
         times.first_forward = time.perf_counter() - start
         times.saved_program = compilation_counter.num_programs_loaded > programs
@@ -189,9 +203,8 @@ class ModelRunner:
         """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
 
         Under PIECEWISE attention runs between the graphs, so the capture runs
-        it without metadata (dense, no cache), like the profiling forward. A
-        FULL capture gets a batch whose block tables point at block 1 and whose
-        writes go to the null slot.
+        it without metadata (dense, no cache). A FULL capture gets a batch whose
+        block tables point at block 1 and whose writes go to the null slot.
         """
         n = descriptor.num_tokens
         args = self.buffers.forward_args(n)

@@ -1,34 +1,49 @@
-"""A runner's start-up: the KV cache it takes, and where the time went.
+"""A runner's start-up: the profiling forward, the KV cache it takes, and where the time went.
 
-After the weights load and one forward runs at the largest step size (trace and
-compile, or the saved program), the KV cache gets what is left: on CUDA this
-engine's share of the device less its weights and that forward's activations, on a
-CPU the byte budget; never more blocks than the engine can ever use. The cache is
-then allocated and bound to the attention layers. ``StartupTimes`` keeps the
-seconds and sizes for the one start-up line users see.
+After the weights load, one forward runs at the largest step size (trace and compile,
+or the saved program): the profiling forward. Its batch (``profile_metadata``) is
+``max_num_tokens`` tokens as ``max_num_seqs`` short requests through the attention
+backend the steps use, over a throwaway cache of two blocks, as vLLM's profile batch
+is many short requests: every activation outside attention is that of the largest
+step, and attention's own memory is what the backend takes for those tokens, but no
+[T, T] logits or mask exist (attention without metadata would treat the T tokens as
+one sequence: O(heads x T^2) floats, 8 GiB at 8k tokens and 32 heads on SDPA's math
+kernel). Paged backends on CUDA (Triton, FlashInfer) are linear in the tokens
+anyway, so a longer request of the same step takes no more. Then the KV cache gets
+what is left: on CUDA this engine's share of the device less its weights and the
+profile's activations (``kv_sizing.cuda_kv_budget``), on a CPU the byte budget; never
+more blocks than the engine can ever use. The cache is then allocated and bound to
+the attention layers. ``StartupTimes`` keeps the seconds and sizes for the one
+start-up line users see.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from compile_runtime.attention.kv_cache import (
+    PADDING_SLOT,
     allocate_kv_cache,
     bind_kv_cache,
     kv_cache_bytes_per_block,
+    kv_cache_shape,
 )
 from compile_runtime.config import RunnerConfig
+from compile_runtime.runner.attention_groups import MetadataGroups, build_metadata
 from compile_runtime.runner.kv_sizing import (
     CudaMemory,
     blocks_per_request,
     cuda_kv_budget,
     most_blocks_needed,
 )
+from compile_runtime.runner.step_inputs import profile_query_lens, query_start_loc
 
 if TYPE_CHECKING:
     from compile_runtime.attention.layer import Attention
@@ -73,6 +88,44 @@ class StartupTimes:
 def allocated_bytes(device: torch.device) -> int:
     """Device memory torch holds now (0 off CUDA): the runner's own use is measured from it."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+@contextlib.contextmanager
+def profile_metadata(
+    layers: Sequence[Attention],
+    groups: MetadataGroups,
+    slot_mapping: torch.Tensor,
+    config: RunnerConfig,
+    num_tokens: int,
+    max_blocks_per_req: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Iterator[Any]:
+    """``with profile_metadata(...) as metadata:`` the profiling forward's attention metadata:
+    ``num_tokens`` in ``max_num_seqs`` requests (``profile_query_lens``) reading block 1 and
+    writing the null block (``slot_mapping``, a view of the runner's buffer, is set to -1)
+    of a two-block cache bound to ``layers`` until the block ends."""
+    query_lens = profile_query_lens(num_tokens, config.max_num_seqs)
+    for layer in layers:
+        shape = kv_cache_shape(2, config.block_size, layer.num_kv_heads, layer.head_size)
+        layer.kv_cache = torch.zeros(shape, dtype=dtype, device=device)
+    slots = slot_mapping[:num_tokens]
+    slots.fill_(PADDING_SLOT)
+    block_table = torch.ones(
+        (len(query_lens), max_blocks_per_req), dtype=torch.int32, device=device
+    )
+    try:
+        yield build_metadata(
+            groups,
+            query_start_loc(np.cumsum(query_lens)),
+            torch.from_numpy(query_lens),
+            block_table,
+            slots,
+            num_tokens,
+        )
+    finally:
+        for layer in layers:
+            layer.kv_cache = None
 
 
 def allocate_kv_cache_for(

@@ -7,6 +7,16 @@ sequence lengths. After the forward, logits are taken in one call at: the last
 position of each request whose known sequence is now computed, every draft position
 of a request verifying drafts (speculative decoding), then the prompt positions of
 requests that asked for prompt logprobs.
+
+Host to device. On CUDA the step's ids, positions and slots are written into pinned
+host staging buffers (allocated once, ``staging_buffer``) and copied with
+``non_blocking=True``: a copy from pageable memory goes through the driver's own
+staging and blocks the host until it is done. The block table and the metadata
+builders stage theirs in pinned buffers too. ``StepBuffers.forward_args``, the last
+thing the runner calls before the forward, records an event after all of the step's
+copies; the next ``load`` waits for it before any staging buffer is written again
+(a step that samples nothing does not wait for the device otherwise). On a CPU the
+staging buffers are the step buffers themselves: no pinning, no second copy.
 """
 
 from __future__ import annotations
@@ -42,6 +52,20 @@ class StepInputs:
         return self.num_computed + self.num_scheduled
 
 
+def pins_staging(device: torch.device | str) -> bool:
+    """Whether host-to-device copies to ``device`` go through pinned memory: on CUDA only
+    (a CPU "copy" is a memcpy; pinning there costs and buys nothing)."""
+    return torch.device(device).type == "cuda"
+
+
+def staging_buffer(
+    shape: int | tuple[int, ...], dtype: torch.dtype, device: torch.device | str
+) -> torch.Tensor:
+    """A host tensor that per-step copies to ``device`` start from, pinned when
+    ``pins_staging(device)``: allocate once, write each step, copy with non_blocking."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=pins_staging(device))
+
+
 class StepBuffers:
     """The forward's inputs in persistent buffers of ``max_num_tokens``: a CUDA graph
     replays from the addresses it was captured at, whatever the step."""
@@ -50,17 +74,35 @@ class StepBuffers:
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+        self.device = device
+        self._buffers = (self.input_ids, self.positions, self.slot_mapping)
+        # Where load writes: on a CPU the buffers themselves, else one staging row each.
+        self.staging: tuple[torch.Tensor, ...] = self._buffers
+        if device.type != "cpu":
+            self.staging = tuple(staging_buffer((3, max_num_tokens), torch.long, device))
+        # On CUDA: the last step's host-to-device copies (recorded by forward_args).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     def forward_args(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's arguments; called after the step's copies (this one's, the block
+        table's and the metadata builders'), so on CUDA it marks their end."""
+        if self._copied is not None:
+            self._copied.record(torch.cuda.current_stream(self.device))
         return self.input_ids[:num_tokens], self.positions[:num_tokens]
 
     def load(self, step: StepInputs, num_padded: int) -> None:
         """Copy the step in; padded tokens are id 0 at position 0 (the metadata builder sets
         their slots to the null slot)."""
         total = step.total
-        self.input_ids[:total].copy_(torch.from_numpy(step.token_ids))
-        self.positions[:total].copy_(torch.from_numpy(step.positions))
-        self.slot_mapping[:total].copy_(step.slot_mapping)
+        if self._copied is not None:
+            self._copied.synchronize()  # the last step's copies have read every staging buffer
+        ids, positions, slots = self.staging
+        ids[:total].copy_(torch.from_numpy(step.token_ids))
+        positions[:total].copy_(torch.from_numpy(step.positions))
+        slots[:total].copy_(step.slot_mapping)
+        if self.staging is not self._buffers:
+            for buffer, host in zip(self._buffers, self.staging, strict=True):
+                buffer[:total].copy_(host[:total], non_blocking=True)
         if num_padded > total:
             self.input_ids[total:num_padded].zero_()
             self.positions[total:num_padded].zero_()
@@ -175,6 +217,16 @@ def prompt_logprob_spans(step: StepInputs, batch: InputBatch) -> list[PromptSpan
             flat_row = int(step.cu_num_scheduled[i] - step.num_scheduled[i])
             spans.append(PromptSpan(req_id, first, flat_row, end - first))
     return spans
+
+
+def profile_query_lens(num_tokens: int, max_num_seqs: int) -> np.ndarray:
+    """Query lengths of the profiling forward: ``num_tokens`` over ``max_num_seqs`` requests
+    (fewer when there are fewer tokens), as even as they divide: none is longer than
+    ``ceil(num_tokens / max_num_seqs)`` (<= max_model_len, as the runner's step size is)."""
+    count = max(1, min(max_num_seqs, num_tokens))
+    query_lens = np.full(count, num_tokens // count, dtype=np.int32)
+    query_lens[: num_tokens % count] += 1
+    return query_lens
 
 
 def capture_query_lens(
