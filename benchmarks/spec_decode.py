@@ -74,7 +74,7 @@ rejected where the copied span ends; batched, then alone), so compilation and fi
 use are not timed.
 Each round runs every side on every row; each side keeps its fastest round. The
 summary checks copy b1 best k / k=0 >= 1.5 and random, random_sampled b1 slowest
-k / k=0 >= 0.95, and shows partial b1 best k / k=0 for information.
+k / k=0 >= 0.95, and shows partial, loop and revised b1 best k / k=0 for information.
 
     python benchmarks/spec_decode.py [--ks 0 2 4] [--batches 1 8] [--repeats 2]
         [--max-tokens 128] [--out benchmarks/results/spec_decode.json]
