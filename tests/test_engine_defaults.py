@@ -114,8 +114,9 @@ def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path
     src = model_dirs("llama")
     model_dir = str(tmp_path / "eos")
     os.makedirs(model_dir)
-    for name in os.listdir(src):
-        os.symlink(os.path.join(src, name), os.path.join(model_dir, name))
+    for name in os.listdir(src):  # links to the shared model's files, not its config
+        if name != "generation_config.json":  # (writing through a link would change it)
+            os.symlink(os.path.join(src, name), os.path.join(model_dir, name))
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, 7, 9]}, f)  # as Llama 3 Instruct lists <|eot_id|>
     llm = cr.LLM(model_dir, EAGER, kv_cache_bytes=2**24)

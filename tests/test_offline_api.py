@@ -96,6 +96,29 @@ def test_a_stop_token_id_is_the_stop_reason(llm):
     assert cut.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
 
 
+@pytest.mark.parametrize("stop_strings", [[], ["never in the text"]])  # followed or not
+def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm, stop_strings):
+    """As vLLM: the id of the token that stopped the request is kept, its text is not (an EOS
+    id or a stop token id that is no special token, such as Llama 3's <|eot_id|> when a
+    tokenizer does not mark it), unless include_stop_str_in_output."""
+    percent = llm.tokenizer.convert_tokens_to_ids("%")
+    forced = {"temperature": 0, "max_tokens": 8, "logit_bias": {percent: 100.0}}
+    for stop in ({"stop_token_ids": [percent]}, {}):  # a stop token id; an EOS id
+        params = cr.SamplingParams(**forced, **stop, stop=stop_strings)
+        old_eos = llm.eos_token_ids
+        if not stop:
+            llm.eos_token_ids = (*old_eos, percent)
+        try:
+            (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
+            (kept,) = llm.generate(
+                [PROMPTS[0]], params.model_copy(update={"include_stop_str_in_output": True})
+            )
+        finally:
+            llm.eos_token_ids = old_eos
+        assert out.token_ids == [percent] and out.finish_reason == "stop"
+        assert out.text == "" and kept.text == "%"
+
+
 def test_min_p_drops_tokens_below_its_share_of_the_top_one():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
     metadata = SamplingMetadata.__new__(SamplingMetadata)

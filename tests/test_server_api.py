@@ -247,11 +247,6 @@ def no_whitespace(server) -> dict[str, int]:
     return {str(t): -100 for t in server.post("/tokenize", body)[1]["tokens"]}
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="open bug (issue 30): run after the whole suite, the regex request answers '333%' "
-    "(a token past the grammar's end); alone, or after test_server.py, it passes",
-)
 def test_structured_outputs_on_both_endpoints(server):
     out = completion(server, guided_choice=["yes", "no"], ignore_eos=False, max_tokens=10)
     assert out["choices"][0]["text"] in ("yes", "no")
@@ -282,6 +277,19 @@ def test_forced_tool_calls_whole_and_streamed(server, tool_choice, finish):
     assert last["finish_reason"] == finish
     (streamed_call,) = last["delta"]["tool_calls"]
     assert streamed_call["index"] == 0 and streamed_call["function"] == call["function"]
+
+
+def test_the_stop_tokens_text_is_left_out_whole_and_streamed(server):
+    """vLLM's rule: the token that stopped a request keeps its id, not its text."""
+    body = {"model": server.model, "prompt": "%", "add_special_tokens": False}
+    (percent,) = server.post("/tokenize", body)[1]["tokens"]
+    fields = {"stop_token_ids": [percent], "logit_bias": {str(percent): 100}, "ignore_eos": False}
+    (choice,) = completion(server, **fields, return_token_ids=True)["choices"]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("", "stop", percent)
+    kept = completion(server, **fields, include_stop_str_in_output=True)["choices"][0]
+    assert kept["text"] == "%"
+    body = {"model": server.model, "prompt": PROMPT, "stream": True, "max_tokens": 8, **fields}
+    assert "".join(e["choices"][0]["text"] for e in streamed(server, "/v1/completions", body)) == ""
 
 
 # ---- endpoints and errors -----------------------------------------------------------------

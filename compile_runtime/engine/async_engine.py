@@ -40,6 +40,7 @@ class EngineDeadError(RuntimeError):
 class TokenEvent:
     token: int
     logprobs: object = None
+    stop_token: bool = False  # the stop token that ends the request: not in the text
 
 
 @dataclass
@@ -231,7 +232,8 @@ class AsyncEngine:
                 if stream.prompt_logprobs is None:
                     stream.prompt_logprobs = [None] * len(stream.request.prompt_token_ids)
                 stream.prompt_logprobs[first : first + len(lps)] = lps
-        for req_id, token, logprobs in out.tokens:
+        stop_tokens = out.stop_token_positions()
+        for i, (req_id, token, logprobs) in enumerate(out.tokens):
             stream = self.streams.get(req_id)
             if stream is None:
                 continue
@@ -241,7 +243,8 @@ class AsyncEngine:
             if stream.first_token_at is None:
                 stream.first_token_at = now
             stream.last_token_at = now
-            batches.setdefault(stream.loop, []).append((stream, TokenEvent(token, logprobs)))
+            event = TokenEvent(token, logprobs, i in stop_tokens)
+            batches.setdefault(stream.loop, []).append((stream, event))
         for request in out.finished:
             stream = self.streams.pop(request.req_id, None)
             if stream is not None:

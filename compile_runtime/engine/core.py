@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from compile_runtime.executor import Executor, ExecutorError
 from compile_runtime.runner.request import Request, RequestStatus
 from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.runner.stop_rules import ended_by_stop_token
 
 
 class StepError(RuntimeError):
@@ -37,6 +38,12 @@ class StepOutput:
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (rank 0)
     # req_id -> (first prompt position, logprobs of the prompt tokens from there).
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
+
+    def stop_token_positions(self) -> set[int]:
+        """Which of ``tokens`` are the stop token that ended their request (text left out)."""
+        ended = {r.req_id for r in self.finished if ended_by_stop_token(r)}
+        last = {req_id: i for i, (req_id, _, _) in enumerate(self.tokens) if req_id in ended}
+        return set(last.values())
 
 
 class EngineCore:

@@ -34,10 +34,15 @@ class IncrementalText:
     # token's text can depend on the token before it).
     prefix: int = 0
     read: int = 0
+    hidden: int = 0  # 1: the last token is the stop token, not decoded
 
-    def add_token(self, token: int) -> bool:
-        """Take one more token; True when the text has reached a stop string."""
+    def add_token(self, token: int, stop_token: bool = False) -> bool:
+        """Take one more token; True when the text has reached a stop string. ``stop_token``:
+        the stop token that ends the request, whose text is left out unless
+        ``include_stop_str_in_output`` (vLLM's rule); its id is kept."""
         self.token_ids.append(token)
+        if stop_token and not self.include_stop_str_in_output:
+            self.hidden = 1
         self._text_until_stop(final=False)
         return self.stop_reason is not None
 
@@ -67,7 +72,7 @@ class IncrementalText:
         mended from that point. Unless ``final``, a window ending in part of a character
         waits for more tokens, up to ``MAX_HELD_TOKENS``.
         """
-        ids = self.token_ids
+        ids = self.token_ids[: len(self.token_ids) - self.hidden]
         if self.tokenizer is None or self.read == len(ids):
             return None
         window = self._decode(ids[self.prefix :])

@@ -17,6 +17,7 @@ from compile_runtime.engine.incremental_text import IncrementalText
 from compile_runtime.engine.outputs import CompletionOutput, GenerateStats
 from compile_runtime.runner.request import Request
 from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.runner.stop_rules import ended_by_stop_token
 
 if TYPE_CHECKING:
     from compile_runtime.engine.llm import LLM
@@ -54,14 +55,15 @@ def run_until_done(llm: LLM, requests: list[Request], use_tqdm: bool):
             if step.decode_only:
                 stats.decode_step_seconds.append(step.seconds)
             stops: dict[str, str] = {}
-            for req_id, token, lp in step.tokens:
+            stop_tokens = step.stop_token_positions()
+            for i, (req_id, token, lp) in enumerate(step.tokens):
                 stats.output_tokens += 1
                 first_token.setdefault(req_id, now)
                 follow = text.get(req_id)
                 if follow is not None:
                     if follow.stop_reason is not None:
                         continue  # past its stop string (a step of several tokens)
-                    if follow.add_token(token):
+                    if follow.add_token(token, i in stop_tokens):
                         stops[req_id] = follow.stop_reason
                 if lp is not None and req_id in logprobs:
                     logprobs[req_id].append(lp)
@@ -106,7 +108,10 @@ def completion_output(
         logprobs = logprobs[: len(token_ids)]
         decoded = text.text
     elif tokenizer is not None and params.detokenize:
-        decoded = tokenizer.decode(token_ids, skip_special_tokens=params.skip_special_tokens)
+        shown = token_ids
+        if ended_by_stop_token(req) and not params.include_stop_str_in_output:
+            shown = token_ids[:-1]  # the stop token's text is not the output's, as in vLLM
+        decoded = tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens)
     else:
         decoded = None
     asked = params.logprobs is not None

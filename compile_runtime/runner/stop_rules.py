@@ -43,6 +43,16 @@ def append_until_stop(
     return None
 
 
+def ended_by_stop_token(req: Request) -> bool:
+    """Whether ``req`` ended at a stop token (an EOS id or one of ``stop_token_ids``): its
+    last output. Its text is left out of the output text (kept with
+    ``include_stop_str_in_output``), as vLLM does; the id stays in the token ids."""
+    if req.status is not RequestStatus.FINISHED_STOPPED or not req.output_token_ids:
+        return False
+    last, params = req.output_token_ids[-1], req.sampling_params
+    return last in params.stop_token_ids or (last in req.eos_token_ids and not params.ignore_eos)
+
+
 def capped_drafts(req: Request, proposed: list[int]) -> list[int]:
     """The drafts ``req`` may verify next step: never past max_tokens."""
     room = req.sampling_params.max_tokens - len(req.output_token_ids) - 1

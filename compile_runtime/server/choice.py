@@ -22,7 +22,7 @@ class Choice(IncrementalText):
     def add(self, event: TokenEvent) -> None:
         if event.logprobs is not None:
             self.logprobs.append(event.logprobs)
-        if self.add_token(event.token):
+        if self.add_token(event.token, event.stop_token):
             self.finish_reason = "stop"  # stop_reason: the string
 
     def finish(self, event: FinishEvent) -> None:
