@@ -194,3 +194,28 @@ def test_a_token_outside_the_grammar_aborts_its_request_never_a_quiet_answer():
     manager.ready(req, wait=True)
     assert manager.accept("r", [digit]) is None  # complete, waiting for the stop token
     assert manager.accept("r", [2]) is RequestStatus.FINISHED_STOPPED
+
+
+@pytest.mark.slow
+def test_tensor_parallel_and_the_prefix_cache_keep_the_constrained_tokens(model_dirs):
+    """Rank 0's grammar decides: two ranks give the tokens one does, and a second call that
+    reads the prompts from the prefix cache gives them again."""
+    prompts = [list(range(5, 25)), list(range(5, 25)) + [40, 41]]
+    params = [
+        constrained(Constraint(regex="[0-9]{2}-[a-z]{3}"), max_tokens=16),
+        constrained(Constraint(choice=["alpha", "beta", "gamma"]), max_tokens=16),
+        cr.SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),  # a free one
+    ]
+    options = dict(max_num_seqs=4, max_model_len=96)
+
+    def run(llm):
+        return [[o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+
+    with cr.LLM(model_dirs("llama"), {"backend": "eager"}, **options) as one:
+        expected = run(one)
+    with cr.LLM(model_dirs("llama"), {"backend": "eager"}, tensor_parallel_size=2,
+                distributed_executor_backend="mp", **options) as two:  # fmt: skip
+        assert run(two) == expected
+        assert run(two) == expected and two.last_stats.prefix_cache.hits > 0
+    texts = [one.tokenizer.decode(t, skip_special_tokens=True) for t in expected[0]]
+    assert all(re.fullmatch("[0-9]{2}-[a-z]{3}", t) for t in texts), texts
