@@ -149,6 +149,13 @@ class RunnerConfig(CheckedConfig):
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs at every row
     # count, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True
+    # Weights kept quantized (CPU, native models; compile_runtime/ops/cpu_quant_*.py).
+    quantization: Literal["auto", "gguf", "none", "int8"] = Field(
+        "auto",
+        description="'auto': a GGUF file's Q8_0/Q4_0/Q4_1 weights stay quantized ('gguf'), a "
+        "float checkpoint stays float ('none'); 'int8': a float checkpoint's linear weights "
+        "quantized to int8 per block of 32 (Q8_0); 'none' dequantizes a GGUF file",
+    )
     # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of each rank; None uses the free cores"

@@ -30,6 +30,8 @@ import numpy as np
 import torch
 
 from compile_runtime.cache.location import cache_root
+from compile_runtime.ops.cpu_quant_formats import BLOCK, QuantFormat, from_gguf_blocks
+from compile_runtime.ops.cpu_quant_formats import BY_NAME as QUANT_FORMATS
 
 GGUF_LINK = "model.gguf"  # the file inside a materialized directory
 SOURCE_FILE = "gguf_source.json"
@@ -125,13 +127,24 @@ def architecture(reader, path: str) -> str:
 
 
 class GGUFTensor:
-    """One tensor of a GGUF file under its Hugging Face name, dequantized on ``read``."""
+    """One tensor of a GGUF file under its Hugging Face name: dequantized on ``read``, or
+    kept in its quantized blocks by ``read_quantized`` (Q8_0, Q4_0, Q4_1)."""
 
     def __init__(self, name: str, tensor: Any, rotary_heads: int | None):
         self.name = name
         self.raw = tensor  # gguf's ReaderTensor: quantized blocks, type, shape
         self.shape = tuple(int(d) for d in reversed(tensor.shape))
         self._rotary_heads = rotary_heads
+
+    @property
+    def type_name(self) -> str:
+        """GGUF's name of the stored type: ``Q8_0``, ``Q4_1``, ``F32``, ``Q6_K``, ..."""
+        return self.raw.tensor_type.name
+
+    @property
+    def quant_format(self) -> QuantFormat | None:
+        """The format ``read_quantized`` keeps (a 2-D Q8_0/Q4_0/Q4_1 tensor), else None."""
+        return QUANT_FORMATS.get(self.type_name) if len(self.shape) == 2 else None
 
     def read(self) -> torch.Tensor:
         from gguf.quants import dequantize
@@ -145,6 +158,29 @@ class GGUFTensor:
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         """Rows ``[start, start + length)`` along ``dim`` (the whole tensor is dequantized)."""
         return self.read().narrow(dim, start, length).contiguous()
+
+    def read_quantized(self, dim: int | None = None, start: int = 0, length: int = 0):
+        """The quantized weight in the kernels' layout (``ops/cpu_quant_formats.py``),
+        ``uint8`` [N, K / 32, block bytes]; with ``dim``, only ``[start, start + length)``
+        along it: rows (dim 0), or inputs in whole blocks of 32 (dim 1)."""
+        fmt = self.quant_format
+        if fmt is None:
+            raise GGUFError(f"{self.name} is {self.type_name}, not a kept quantized type")
+        blocks = np.asarray(self.raw.data).reshape(self.shape[0], -1, fmt.block_bytes)
+        if self._rotary_heads:  # whole rows move: their blocks stay as they are
+            blocks = unpermute_rotary(blocks, self._rotary_heads)
+        if dim == 0:
+            blocks = blocks[start : start + length]
+        elif dim == 1:
+            if start % BLOCK or length % BLOCK:
+                raise GGUFError(
+                    f"{self.name} ({fmt.name}): a slice of inputs [{start}, {start + length}) "
+                    f"is not in whole blocks of {BLOCK}; use a tensor_parallel_size that "
+                    f"splits {self.shape[1]} inputs into multiples of {BLOCK}, or "
+                    'quantization="none"'
+                )
+            blocks = blocks[:, start // BLOCK : (start + length) // BLOCK]
+        return torch.from_numpy(from_gguf_blocks(blocks, fmt))
 
 
 def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:

@@ -29,12 +29,17 @@ from compile_runtime.distributed import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from compile_runtime.distributed.communication import tensor_parallel_all_reduce
 from compile_runtime.models.loader import (
     FusedShards,
     NativeUnsupported,
     StackedParam,
     load_weights,
+    quantization_plan,
+    quantize_parameters,
 )
+from compile_runtime.ops.cpu_quant_embedding import quant_embedding
+from compile_runtime.ops.cpu_quant_formats import QuantFormat
 
 
 @dataclass(frozen=True)
@@ -284,10 +289,24 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = embed(self.embed_tokens, input_ids)
         for layer in self.layers:
             x = layer(positions, x)
         return self.norm(x)
+
+
+def embed(embedding: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
+    """The embedding of ``input_ids``; a quantized table dequantizes only the rows looked up
+    (in ``embedding.out_dtype``, the model's dtype)."""
+    weight = embedding.weight
+    if weight.dtype != torch.uint8:
+        return embedding(input_ids)
+    if embedding.world_size == 1:
+        return quant_embedding(input_ids, weight, embedding.out_dtype)
+    owned = (input_ids >= embedding.vocab_start) & (input_ids < embedding.vocab_end)
+    local_ids = torch.where(owned, input_ids - embedding.vocab_start, 0)
+    x = quant_embedding(local_ids, weight, embedding.out_dtype)
+    return tensor_parallel_all_reduce(x * owned.unsqueeze(-1).to(x.dtype))
 
 
 class CausalLM(nn.Module):
@@ -325,22 +344,50 @@ class CausalLM(nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 
-    def load_weights(self, model_dir: str) -> None:
+    def _layouts(self) -> tuple[list[StackedParam], dict[str, FusedShards]]:
         attn = self.model.layers[0].self_attn
         mlp = self.model.layers[0].mlp
+        stacked = [
+            StackedParam("qkv_proj", "q_proj", "q"),
+            StackedParam("qkv_proj", "k_proj", "k"),
+            StackedParam("qkv_proj", "v_proj", "v"),
+            StackedParam("gate_up_proj", "gate_proj", 0),
+            StackedParam("gate_up_proj", "up_proj", 1),
+        ]
+        fused = {
+            "qkv_proj": FusedShards({"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}),
+            "gate_up_proj": FusedShards({0: mlp.intermediate, 1: mlp.intermediate}),
+        }
+        return stacked, fused
+
+    def quantize_weights(self, model_dir: str, quantization: str) -> dict[str, QuantFormat]:
+        """Make the linear weights (and a quantized embedding table) ``uint8`` blocks of the
+        formats ``quantization_plan`` chooses ("gguf": the file's Q8_0/Q4_0/Q4_1; "int8":
+        Q8_0 of a float checkpoint), for ``load_weights`` to fill. Before loading; CPU."""
+        stacked, _ = self._layouts()
+        quantizable = {
+            name
+            for name, module in self.named_modules()
+            if hasattr(module, "use_packed_weight") or module is self.model.embed_tokens
+        }
+        candidates = {f"{name}.weight" for name in quantizable}
+        if self.tied:
+            candidates.discard("lm_head.weight")
+        plan = quantization_plan(model_dir, quantization, candidates, stacked, self.tied)
+        dtype = self.model.embed_tokens.weight.dtype
+        quantize_parameters(self, plan)
+        self.model.embed_tokens.out_dtype = dtype
+        if self.tied:
+            self.lm_head.weight = self.model.embed_tokens.weight
+            self.lm_head.use_packed_weight = self.lm_head.weight.dtype == torch.uint8
+        return plan
+
+    def load_weights(self, model_dir: str) -> None:
+        stacked, fused = self._layouts()
         load_weights(
             self,
             model_dir,
-            stacked_params=[
-                StackedParam("qkv_proj", "q_proj", "q"),
-                StackedParam("qkv_proj", "k_proj", "k"),
-                StackedParam("qkv_proj", "v_proj", "v"),
-                StackedParam("gate_up_proj", "gate_proj", 0),
-                StackedParam("gate_up_proj", "up_proj", 1),
-            ],
-            fused_shards={
-                "qkv_proj": FusedShards({"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}),
-                "gate_up_proj": FusedShards({0: mlp.intermediate, 1: mlp.intermediate}),
-            },
+            stacked_params=stacked,
+            fused_shards=fused,
             ignore=("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tied else ()),
         )

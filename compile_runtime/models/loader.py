@@ -27,6 +27,14 @@ from torch import nn
 
 from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors
 from compile_runtime.ops.cpu_linear import repack_linear_weights
+from compile_runtime.ops.cpu_quant_formats import (
+    BLOCK,
+    Q8_0,
+    QuantFormat,
+    format_of,
+    quantize_q8_0,
+    quantized_shape,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +176,14 @@ def load_weights(
             start, size = fused_shards[_leaf(target)].offsets[shard]
             dst = dst.narrow(0, start, size)
         region = param.tp_shard(shard) if hasattr(param, "tp_shard") else None
-        if region is None:
+        fmt = format_of(dst)
+        if fmt is not None:  # quantized blocks: read as blocks, or a float tensor quantized
+            if region is not None:
+                dim, start, length = region
+                length = length // BLOCK if dim == 1 else min(length, dst.shape[0])
+                dst = dst.narrow(dim, 0, length)
+            _copy(dst, _read_quantized(tensor, fmt, region, ckpt_name), ckpt_name)
+        elif region is None:
             _copy(dst, tensor.read(), ckpt_name)
         else:  # this rank's slice only; a padded last slice fills the leading rows of dst
             dim, start, length = region
@@ -189,6 +204,95 @@ def load_weights(
             f"checkpoint in {model_dir} is missing tensors for: {', '.join(missing)}"
         )
     repack_linear_weights(model)  # the writes above went through .data: no version bump
+
+
+def _read_quantized(
+    tensor: CheckpointTensor | GGUFTensor, fmt: QuantFormat, region: tuple | None, name: str
+) -> torch.Tensor:
+    """``tensor`` (or its ``region``) as ``fmt`` blocks: a GGUF tensor of that type as stored,
+    a float tensor quantized to Q8_0 (``quantization="int8"``)."""
+    if isinstance(tensor, GGUFTensor) and tensor.quant_format is fmt:
+        return tensor.read_quantized(*(region or ()))
+    if fmt is not Q8_0:
+        raise WeightLoadingError(f"checkpoint tensor {name!r} cannot be made {fmt.name}")
+    if region is not None and region[0] == 1 and (region[1] % BLOCK or region[2] % BLOCK):
+        raise WeightLoadingError(
+            f"{name}: this rank's inputs [{region[1]}, {region[1] + region[2]}) are not whole "
+            f"blocks of {BLOCK}; int8 weights need tensor_parallel_size to split them so"
+        )
+    return quantize_q8_0(tensor.read() if region is None else tensor.narrow(*region))
+
+
+QUANTIZATIONS = ("auto", "gguf", "none", "int8")
+
+
+def quantization_plan(
+    model_dir: str,
+    quantization: str,
+    candidates: set[str],
+    stacked_params: list[StackedParam],
+    tied: bool,
+) -> dict[str, QuantFormat]:
+    """Which of the ``candidates`` (parameter names: linear weights, the embedding table)
+    load quantized, and in which format.
+
+    "gguf": a parameter whose every checkpoint part the file stores in one of Q8_0, Q4_0,
+    Q4_1 keeps that format; the others dequantize, named in one log line. "int8": every
+    linear weight of a float checkpoint becomes Q8_0 (per block of 32, as llama.cpp
+    quantizes), the embedding table too when the LM head shares it. "none": nothing.
+    """
+    if quantization == "none":
+        return {}
+    if quantization == "int8":
+        embed = "model.embed_tokens.weight"
+        return {n: Q8_0 for n in sorted(candidates) if n != embed or tied}
+    if quantization != "gguf":
+        raise ValueError(f"quantization={quantization!r} is not one of {QUANTIZATIONS}")
+    parts: dict[str, set] = {}
+    kept_out: list[str] = []
+    for ckpt_name, tensor in iterate_checkpoint(model_dir):
+        target = ckpt_name
+        for sp in stacked_params:
+            if f".{sp.part}." in ckpt_name:
+                target = ckpt_name.replace(f".{sp.part}.", f".{sp.fused}.")
+                break
+        if target in candidates:
+            fmt = tensor.quant_format if isinstance(tensor, GGUFTensor) else None
+            parts.setdefault(target, set()).add(fmt)
+            if fmt is None:
+                kept_out.append(f"{ckpt_name} ({getattr(tensor, 'type_name', 'float')})")
+    plan = {}
+    for target, formats in sorted(parts.items()):
+        if len(formats) == 1 and None not in formats:
+            plan[target] = formats.pop()
+        elif None not in formats:
+            kept_out.append(f"{target} (parts in {sorted(f.name for f in formats)})")
+    if kept_out:
+        logger.info(
+            "GGUF: %d weights dequantized (types without a kernel, or fused parts of "
+            "different types): %s",
+            len(kept_out),
+            ", ".join(kept_out),
+        )
+    return plan
+
+
+def quantize_parameters(model: nn.Module, plan: dict[str, QuantFormat]) -> None:
+    """Replace each planned weight with an empty ``uint8`` parameter of its format's blocks
+    (``tp_shard`` kept), for ``load_weights`` to fill."""
+    modules = dict(model.named_modules())
+    for param_name, fmt in plan.items():
+        module = modules[param_name.removesuffix(".weight")]
+        old = module.weight
+        new = nn.Parameter(
+            torch.empty(quantized_shape(*old.shape, fmt), dtype=torch.uint8),
+            requires_grad=False,
+        )
+        if hasattr(old, "tp_shard"):
+            new.tp_shard = old.tp_shard  # type: ignore[attr-defined]
+        module.weight = new
+        if hasattr(module, "use_packed_weight"):
+            module.use_packed_weight = True  # cpu_linear runs the int8 kernel
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

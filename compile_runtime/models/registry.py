@@ -21,7 +21,7 @@ from compile_runtime.config import CompilationConfig, set_compilation_config
 from compile_runtime.distributed.parallel_state import get_tp_world_size
 from compile_runtime.models.gguf import GGUFError, gguf_file_in
 from compile_runtime.models.llama import ARCHITECTURES, CausalLM
-from compile_runtime.models.loader import NativeUnsupported
+from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
 
@@ -77,6 +77,39 @@ def read_hf_config(model_dir: str) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
+def resolve_quantization(
+    quantization: str, model_dir: str, device: torch.device, native: bool
+) -> str:
+    """What ``quantization`` means here: "auto" keeps a GGUF file's Q8_0/Q4_0/Q4_1 weights
+    quantized ("gguf") and leaves a float checkpoint as it is ("none"); "int8" makes a
+    float checkpoint's linear weights Q8_0. The quantized kernels are CPU kernels of the
+    native models: elsewhere the weights dequantize (one log line says so)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not one of {list(QUANTIZATIONS)}")
+    is_gguf = gguf_file_in(model_dir) is not None
+    if quantization == "auto":
+        quantization = "gguf" if is_gguf else "none"
+    if quantization == "gguf" and not is_gguf:
+        raise ValueError(
+            f'quantization="gguf" needs a GGUF file; {model_dir} is a float checkpoint '
+            '(quantization="int8" quantizes it)'
+        )
+    if quantization == "int8" and is_gguf:
+        raise ValueError(
+            'quantization="int8" quantizes a float checkpoint; a GGUF file keeps its own '
+            'quantization ("gguf", the default) or dequantizes ("none")'
+        )
+    if quantization != "none" and (device.type != "cpu" or not native):
+        logger.info(
+            "quantization=%s: weights dequantized (the quantized kernels run the native "
+            "models on a CPU; this is %s)",
+            quantization,
+            device.type if device.type != "cpu" else "the transformers adapter",
+        )
+        quantization = "none"
+    return quantization
+
+
 def load_model(
     model_dir: str,
     compilation_config: CompilationConfig,
@@ -86,6 +119,7 @@ def load_model(
     use_transformers: bool = False,
     cpu_pack_weights: bool = True,
     hf_config: Any = None,
+    quantization: str = "auto",
 ) -> nn.Module:
     """The model in ``model_dir`` (a ``CausalLanguageModel``) with its weights, built under
     ``compilation_config``.
@@ -97,11 +131,13 @@ def load_model(
     weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
     changes the traced graph, so everything that traces a model for the cache
     key loads it here). ``hf_config``: the config already read (None: read it here).
+    ``quantization``: see ``resolve_quantization``.
     """
     if hf_config is None:
         hf_config = read_hf_config(model_dir)
     device = torch.device(device)
     native = hf_config.model_type in ARCHITECTURES and not use_transformers
+    quantization = resolve_quantization(quantization, model_dir, device, native)
     with set_compilation_config(compilation_config), default_dtype_and_device(dtype, device):
         if native:
             try:
@@ -123,6 +159,8 @@ def load_model(
                 )
                 native = False
             else:
+                if quantization != "none":
+                    model.quantize_weights(model_dir, quantization)
                 model.load_weights(model_dir)
         if not native:
             if gguf_file_in(model_dir) is not None:

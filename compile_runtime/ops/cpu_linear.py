@@ -20,7 +20,9 @@ rows go to the GEMV of ``cpu_gemv.py``, which reads the plain weight. Both strea
 the weight at the memory bandwidth, which oneDNN's GEMM does not at these sizes. Writes through ``param.data`` (as weight loaders do)
 move no version counter: the loader re-packs after loading
 (``repack_linear_weights``). The cost is memory: one more copy of every packed
-weight (two in bf16 with AMX).
+weight (two in bf16 with AMX). A quantized weight (``uint8`` blocks of GGUF's Q8_0,
+Q4_0 or Q4_1, ``cpu_quant_formats.py``) has no copy: the op hands it to the int8
+kernel of ``cpu_quant_gemm.py``, which reads those bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from compile_runtime.ops.cpu_amx import amx_linear
 from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
 from compile_runtime.ops.cpu_gemv import gemv_linear
+from compile_runtime.ops.cpu_quant_gemm import quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +80,8 @@ def _lookup(weight: torch.Tensor) -> _Packed | None:
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
+    if weight.dtype == torch.uint8:  # quantized (ops/cpu_quant_formats.py): no packed copy
+        return quant_linear(x, weight, bias)
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
     entry = _lookup(weight)
     if entry is not None and entry.amx is not None and rows <= MAX_AMX_ROWS:
@@ -105,6 +110,12 @@ _lib.impl("cpu_linear", cpu_linear_impl, "CPU")
 @torch.library.register_fake(OP_NAME)
 def _cpu_linear_fake(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def is_quantized(weight: torch.Tensor | None) -> bool:
+    """A quantized weight (``uint8`` blocks, ``ops/cpu_quant_formats.py``): ``cpu_linear``
+    runs it through the int8 kernel of ``cpu_quant_gemm.py``."""
+    return isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -138,7 +149,9 @@ def pack_linear_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "use_packed_weight") and can_pack(weight):
+        if hasattr(module, "use_packed_weight") and is_quantized(weight):
+            module.use_packed_weight = True  # the op reads the quantized bytes themselves
+        elif hasattr(module, "use_packed_weight") and can_pack(weight):
             pack_weight(weight)
             module.use_packed_weight = True
             count += 1
@@ -153,7 +166,7 @@ def repack_linear_weights(model: nn.Module) -> None:
     so they cannot be detected: whoever writes weights that way must call this.
     """
     for module in model.modules():
-        if getattr(module, "use_packed_weight", False):
+        if getattr(module, "use_packed_weight", False) and not is_quantized(module.weight):
             pack_weight(module.weight)
 
 

@@ -114,6 +114,7 @@ class ModelRunner:
             use_transformers=use_transformers,
             cpu_pack_weights=self.config.cpu_pack_weights,
             hf_config=hf_config,
+            quantization=self.config.quantization,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
         # The engine sized these already; a runner built directly fills them here.
