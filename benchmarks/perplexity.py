@@ -22,9 +22,10 @@ this benchmark), per precision, each side on the SAME GGUF file and the SAME tok
 Files (``benchmarks/peers/install.py`` makes them): f32, bf16 and q8_0 are converted by
 llama.cpp's ``convert_hf_to_gguf.py`` from the project's Q4_1 file dequantized by
 transformers; q4_1 is the project's file itself. Rows: fp32 and bf16 (ours in that dtype
-on the f32 / bf16 file); q8_0 and q4_1 twice for ours: the file dequantized to fp32 (what
-the engine does without a quantization option) and kept quantized (``--ours-quant-options``,
-``{"quantization": "gguf"}`` by default; the row says why when the engine refuses it).
+on the f32 / bf16 file); q8_0 and q4_1 twice for ours: the file dequantized to fp32
+(``quantization="none"``) and kept quantized (``--ours-quant-options``,
+``{"quantization": "gguf"}`` by default, what ``"auto"`` picks for these files; activations
+in ``--ours-quant-dtype``, fp32 by default; the row says why when the engine refuses it).
 Targets (issue 32): our kept-quantized Q8_0 within 0.5% of llama.cpp's perplexity on the
 same file, Q4_1 within 1%.
 
@@ -50,6 +51,7 @@ import json
 import math
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -248,6 +250,9 @@ def run_side(row: Row, run_as: str, windows: list[Window], ids: list[int], greed
     except SideError as e:
         row.skipped = why(e)
         log(f"  failed: {row.skipped}")
+    except BaseException:  # interrupted: no waiting for the worker to finish its request
+        side.proc.kill()
+        raise
     finally:
         side.close()
     return row
@@ -261,7 +266,11 @@ def ours_variants(precision: str, quant_options: dict, quant_dtype: str):
     """(label, dtype the worker runs, options) of our rows for a file."""
     if precision in ("fp32", "bf16"):
         return [(precision, precision, {})]
-    return [("dequantized, fp32", "fp32", {}), ("kept quantized", quant_dtype, quant_options)]
+    dequantized = {"quantization": "none"} if "quantization" in quant_options else {}
+    return [
+        ("dequantized, fp32", "fp32", dequantized),
+        ("kept quantized", quant_dtype, quant_options),
+    ]
 
 
 def compare(ours: Row, ref: Row | None) -> dict:
@@ -324,6 +333,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # workers are stopped on the way out
     args = parse_args()
     stride = args.stride or args.window
     tokenizer_file = install.our_gguf()
