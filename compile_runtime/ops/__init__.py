@@ -10,6 +10,12 @@ included: the passes replace a pattern only by an op of identical semantics.
     torch.ops.compile_runtime.silu_and_mul(x)             # silu(x[..., :d]) * x[..., d:]
     torch.ops.compile_runtime.rotary_embedding_(positions, query, key, cos_cache, sin_cache)
                                                           # in place on query and key
+
+CPU linear layers: ``cpu_linear`` (which kernel for the row count and the weight),
+``cpu_gemv`` and ``cpu_amx`` (C kernels for float weights), ``c_library`` (builds them);
+quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1 blocks in the kernels'
+layout), ``cpu_quant_gemm`` (the int8 VNNI kernel), ``cpu_quant_embedding`` (lookups that
+dequantize only their rows).
 """
 
 from __future__ import annotations

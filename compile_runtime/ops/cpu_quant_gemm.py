@@ -177,43 +177,55 @@ void qgemm(const void* x, int64_t x_stride, int bf16, const uint8_t* w, int fmt,
            int64_t num_threads) {
     const int64_t nb = K / 32, esize = bf16 ? 2 : 4;
     const int64_t rb = nb * (fmt == Q80 ? 34 : fmt == Q40 ? 18 : 20);
-    int8_t* xq = (int8_t*)malloc(M * K);
-    float* dx = (float*)malloc(M * nb * sizeof(float));
-    int32_t* xs = (int32_t*)malloc(M * nb * sizeof(int32_t));
-    float* sx = (float*)malloc(M * nb * sizeof(float));
-    #pragma omp parallel for schedule(static) num_threads(num_threads) if (M > 16)
-    for (int64_t m = 0; m < M; m++)
-        quantize_row((const char*)x + m * x_stride * esize, bf16, K, fmt, xq + m * K,
-                     dx + m * nb, xs + m * nb, sx + m * nb);
+    /* x's quantized rows: one buffer per calling thread, grown when a call needs more */
+    static __thread char* buf = NULL;
+    static __thread int64_t buf_size = 0;
+    const int64_t need = M * K + 3 * M * nb * 4 + 256;
+    if (need > buf_size) {
+        free(buf);
+        buf_size = need * 2;
+        buf = (char*)malloc(buf_size);
+    }
+    int8_t* xq = (int8_t*)buf;
+    float* dx = (float*)(buf + ((M * K + 63) & ~63));
+    int32_t* xs = (int32_t*)(dx + M * nb);
+    float* sx = (float*)(xs + M * nb);
     const tiles_fn tiles = fmt == Q80 ? tiles_q80 : fmt == Q40 ? tiles_q40 : tiles_q41;
     const int64_t blocks = (N + 3) / 4;
-    #pragma omp parallel for schedule(static) num_threads(num_threads)
-    for (int64_t blk = 0; blk < blocks; blk++) {
-        const int64_t n0 = blk * 4;
-        const int R = N - n0 >= 4 ? 4 : 1;
-        const int64_t nr = N - n0 >= 4 ? 4 : N - n0;
-        for (int64_t n = n0; n < n0 + nr; n += R) {
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
-                float res[16];
-                tiles(w + n * rb, rb, xq + m0 * K, dx + m0 * nb, xs + m0 * nb, sx + m0 * nb,
-                      K, nb, R, mr, m0 == 0, res);
-                for (int i = 0; i < mr; i++)
-                    for (int r = 0; r < R; r++) {
-                        float s = res[i * 4 + r];
-                        const int64_t o = (m0 + i) * y_stride + n + r;
-                        if (bf16) {
-                            if (bias) s += bf16_to_f32(((const uint16_t*)bias)[n + r]);
-                            ((uint16_t*)y)[o] = f32_to_bf16(s);
-                        } else {
-                            if (bias) s += ((const float*)bias)[n + r];
-                            ((float*)y)[o] = s;
+    #pragma omp parallel num_threads(num_threads)
+    {
+        /* one parallel region a call: x quantized (rows shared out), a barrier, the tiles */
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < M; m++)
+            quantize_row((const char*)x + m * x_stride * esize, bf16, K, fmt, xq + m * K,
+                         dx + m * nb, xs + m * nb, sx + m * nb);
+        #pragma omp for schedule(static)
+        for (int64_t blk = 0; blk < blocks; blk++) {
+            const int64_t n0 = blk * 4;
+            const int R = N - n0 >= 4 ? 4 : 1;
+            const int64_t nr = N - n0 >= 4 ? 4 : N - n0;
+            for (int64_t n = n0; n < n0 + nr; n += R) {
+                for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                    const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+                    float res[16];
+                    tiles(w + n * rb, rb, xq + m0 * K, dx + m0 * nb, xs + m0 * nb,
+                          sx + m0 * nb, K, nb, R, mr, m0 == 0, res);
+                    for (int i = 0; i < mr; i++)
+                        for (int r = 0; r < R; r++) {
+                            float s = res[i * 4 + r];
+                            const int64_t o = (m0 + i) * y_stride + n + r;
+                            if (bf16) {
+                                if (bias) s += bf16_to_f32(((const uint16_t*)bias)[n + r]);
+                                ((uint16_t*)y)[o] = f32_to_bf16(s);
+                            } else {
+                                if (bias) s += ((const float*)bias)[n + r];
+                                ((float*)y)[o] = s;
+                            }
                         }
-                    }
+                }
             }
         }
     }
-    free(xq); free(dx); free(xs); free(sx);
 }
 int qgemm_available(void) { return 1; }
 #else
