@@ -265,3 +265,45 @@ def test_quantization_option_errors(model_dirs):
         resolve_quantization("q3", model_dir, torch.device("cpu"), True)
     assert resolve_quantization("auto", model_dir, torch.device("cpu"), True) == "none"
     assert resolve_quantization("int8", model_dir, torch.device("cuda"), True) == "none"
+
+
+def test_gguf_blocks_shard_by_rows_and_whole_blocks_of_inputs(q4_1_file):
+    from compile_runtime.models.gguf import GGUFError, gguf_tensors
+
+    tensors = dict(gguf_tensors(q4_1_file))
+    down = tensors["model.layers.0.mlp.down_proj.weight"]  # [576, 1536]
+    whole = qf.dequantize(down.read_quantized())
+    torch.testing.assert_close(qf.dequantize(down.read_quantized(0, 64, 128)), whole[64:192])
+    torch.testing.assert_close(qf.dequantize(down.read_quantized(1, 768, 768)), whole[:, 768:])
+    with pytest.raises(GGUFError, match="whole blocks of 32"):
+        down.read_quantized(1, 0, 48)  # tensor_parallel_size=32: 48 inputs a rank
+    q = tensors["model.layers.0.self_attn.q_proj.weight"]  # rows unpermuted as blocks
+    torch.testing.assert_close(qf.dequantize(q.read_quantized()), q.read(), rtol=0, atol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+def test_int8_tensor_parallel_matches_one_rank(model_dirs):
+    import compile_runtime as cr
+
+    model_dir = model_dirs("llama", tie_word_embeddings=True)
+    params = cr.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], list(range(10, 30))]
+    tokens = []
+    for tp in (1, 2):
+        llm = cr.LLM(
+            model_dir,
+            {"mode": "NONE"},
+            dtype="float32",
+            quantization="int8",
+            tensor_parallel_size=tp,
+            max_num_seqs=2,
+            max_num_batched_tokens=64,
+        )
+        try:
+            tokens.append(
+                [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            )
+        finally:
+            llm.shutdown()
+    assert tokens[0] == tokens[1]
