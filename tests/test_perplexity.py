@@ -124,6 +124,7 @@ def test_llamacpp_side_nll_from_logits_equals_torch(tiny):
     assert ppl_worker.nll_from_logits(big, [0, 0]) == pytest.approx([0.0, 1000.0])
 
 
+@pytest.mark.slow  # ~20 s: the real GGUF file's tokenizer is read (once per session cache)
 def test_the_text_is_a_few_thousand_real_model_tokens():
     from compile_runtime.testing.smollm2 import smollm2_gguf
 
