@@ -17,6 +17,7 @@ undoes both, so the loader sees the Hugging Face names and layouts.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -183,9 +184,23 @@ class GGUFTensor:
         return torch.from_numpy(from_gguf_blocks(blocks, fmt))
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, size: int, mtime_ns: int):
+    return _reader(path)
+
+
+def release_readers() -> None:
+    """Drop the parsed files ``gguf_tensors`` keeps (and their memory maps): after loading."""
+    _cached_reader.cache_clear()
+
+
 def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
-    """Every tensor of the file, renamed and laid out as the Hugging Face checkpoint has it."""
-    reader = _reader(path)
+    """Every tensor of the file, renamed and laid out as the Hugging Face checkpoint has it.
+
+    The parsed file is kept for the next call (the quantization plan and the weight loader
+    both walk it; parsing a large vocabulary takes seconds)."""
+    st = os.stat(path)
+    reader = _cached_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
     arch = architecture(reader, path)
     heads = _field(reader, f"{arch}.attention.head_count")
     kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads

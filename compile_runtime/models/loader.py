@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors
+from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors, release_readers
 from compile_runtime.ops.cpu_linear import repack_linear_weights
 from compile_runtime.ops.cpu_quant_formats import (
     BLOCK,
@@ -204,6 +204,7 @@ def load_weights(
             f"checkpoint in {model_dir} is missing tensors for: {', '.join(missing)}"
         )
     repack_linear_weights(model)  # the writes above went through .data: no version bump
+    release_readers()
 
 
 def _read_quantized(
