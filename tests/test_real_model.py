@@ -76,7 +76,9 @@ def reference(hf_model, chat_prompts) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def llm(gguf_path):
     """The default compiled configuration (PIECEWISE, Inductor) in float32, sizes untouched."""
-    engine = cr.LLM(gguf_path, dtype="float32")
+    # Dequantized weights, as transformers runs them (the quantized default rounds the
+    # activations to int8 too: tests/test_quantized.py compares it with this run).
+    engine = cr.LLM(gguf_path, dtype="float32", quantization="none")
     yield engine
     engine.shutdown()
 
