@@ -42,7 +42,7 @@ def prompt(seed: int = 0, length: int = 32) -> list[int]:
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
         if x != y:
             return i
     return min(len(a), len(b))
@@ -97,12 +97,12 @@ def main() -> None:
             r = measure(side, quant, args)
             results.append(r)
             print(f"{side:9s} {quant}: {r['tok_s']:.1f} tok/s (all {r['all_tok_s']})", flush=True)
-    print(f"\n| file | side | tok/s batch 1 (best of {args.repeats}) | vs llama.cpp | greedy = llama.cpp |")
+    print(
+        f"\n| file | side | tok/s batch 1 (best of {args.repeats}) | vs llama.cpp | greedy = llama.cpp |"
+    )
     print("|---|---|---|---|---|")
     for r in results:
-        ref = next(
-            (x for x in results if x["file"] == r["file"] and x["side"] == "llamacpp"), None
-        )
+        ref = next((x for x in results if x["file"] == r["file"] and x["side"] == "llamacpp"), None)
         ratio = f"{r['tok_s'] / ref['tok_s']:.2f}x" if ref else "-"
         agree = (
             f"{first_difference(r['tokens'], ref['tokens'])}/{len(ref['tokens'])} tokens"
