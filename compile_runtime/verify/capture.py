@@ -10,7 +10,6 @@ ones a GPU run traces.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +48,7 @@ from compile_runtime.forward_context import is_forward_context_available, set_fo
 from compile_runtime.models.registry import load_model
 from compile_runtime.table import format_table
 from compile_runtime.verify.compare import VerifyError
+from compile_runtime.verify.model_dir import require_model_dir
 
 # What a failed trace raises: our graph-break error, Dynamo's own (a data-dependent guard
 # is a UserError), and the shape checks' errors (a size the code made constant).
@@ -234,11 +234,7 @@ def check_capture_model_dir(
 ) -> CaptureReport:
     """Load ``model_dir`` under ``config`` and check its capture safety on one batch."""
     config = parse_config(config)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(
-            f"{model_dir!r} is not a model directory (no config.json); pass a directory with "
-            "config.json and safetensors weights"
-        )
+    require_model_dir(model_dir)
     device = resolve_device(device)
     model = load_model(
         model_dir,

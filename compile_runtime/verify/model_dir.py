@@ -15,6 +15,15 @@ from compile_runtime.verify.report import VerifyReport
 from compile_runtime.verify.verifier import verify_model
 
 
+def require_model_dir(model_dir: str) -> None:
+    """FileNotFoundError naming the fix unless ``model_dir`` holds a ``config.json``."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(
+            f"{model_dir!r} is not a model directory (no config.json); pass a directory with "
+            "config.json and safetensors weights"
+        )
+
+
 def check_model_dir(
     model_dir: str,
     config: CompilationConfig | dict | str | None = None,
@@ -30,11 +39,7 @@ def check_model_dir(
 ) -> VerifyReport:
     """Load ``model_dir`` under ``config`` and verify it on ``num_tokens`` random tokens."""
     config = parse_config(config)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        raise FileNotFoundError(
-            f"{model_dir!r} is not a model directory (no config.json); pass a directory with "
-            "config.json and safetensors weights"
-        )
+    require_model_dir(model_dir)
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     device = resolve_device(device)
