@@ -135,6 +135,7 @@ def _engine(args: argparse.Namespace):
         args.model,
         parse_config(args.compilation_config),
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
@@ -280,6 +281,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         choices=list(DTYPE_CHOICES),
         help="auto: the checkpoint's where this machine runs it well (bf16 on a CPU with "
         "AVX512-BF16/AMX for 16-bit and quantized checkpoints), else float32",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "gguf", "none", "int8"],
+        help="auto: a GGUF file's Q8_0/Q4_0/Q4_1 weights kept quantized on a CPU, else none; "
+        "none: dequantize; int8: quantize a float checkpoint's linear weights (per 32)",
     )
     p.add_argument(
         "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"

