@@ -50,9 +50,7 @@ import argparse
 import json
 import math
 import os
-import select
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -62,10 +60,11 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(HERE, "peers"))
 import install  # noqa: E402  (benchmarks/peers/install.py)
 
+sys.path.insert(0, HERE)
+from vs_vllm import Worker, WorkerError  # noqa: E402  (one worker process, one protocol)
+
 TEXT = os.path.join(HERE, "data", "perplexity.txt")
 WORKER = os.path.join(HERE, "peers", "perplexity_worker.py")
-OUR_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
-LOG_DIR = os.path.join(install.PEERS, "logs")
 PRECISIONS = ["fp32", "bf16", "q8_0", "q4_1"]
 FILE_KIND = {"fp32": "f32", "bf16": "bf16", "q8_0": "q8_0", "q4_1": "q4_1"}
 TARGET_PCT = {"q8_0": 0.5, "q4_1": 1.0}  # |ours kept quantized / llama.cpp - 1|, issue 32
@@ -75,7 +74,6 @@ GREEDY_PROMPTS = [
     "In computer science, a hash table is",
     "The three largest planets in the solar system are",
 ]
-TIMEOUT_S = 3600
 
 
 # ---- the arithmetic (tests/test_perplexity.py checks it) ----
@@ -139,72 +137,6 @@ def tokenizer_of(gguf_path: str):
 # ---- the sides ----
 
 
-class SideError(RuntimeError):
-    pass
-
-
-class Side:
-    """One side on one file in its own process (JSON lines over its stdin and stdout)."""
-
-    def __init__(self, side: str, precision: str, model: str, options: dict, label: str):
-        self.name = f"{side}/{label}"
-        python = install.python_of(install.LLAMACPP_VENV) if side == "llamacpp" else OUR_PYTHON
-        os.makedirs(LOG_DIR, exist_ok=True)
-        slug = label.replace(" ", "_").replace(",", "")
-        self.log_path = os.path.join(LOG_DIR, f"perplexity-{side}-{slug}.log")
-        self.log = open(self.log_path, "w")
-        cmd = [python, WORKER, "--side", side, "--precision", precision, "--model", model]
-        cmd += ["--options", json.dumps(options)]
-        self.log.write("$ " + " ".join(cmd) + "\n")
-        self.log.flush()
-        self.proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        ready = self._read()
-        if not ready.get("ready"):
-            self.close()
-            raise SideError(ready.get("error") or f"{self.name} did not start")
-        self.info = ready.get("info", {})
-        self.startup_s = ready.get("startup_s")
-
-    def _read(self) -> dict:
-        assert self.proc.stdout is not None
-        if not select.select([self.proc.stdout], [], [], TIMEOUT_S)[0]:
-            raise SideError(f"{self.name}: no answer in {TIMEOUT_S} s (log: {self.log_path})")
-        line = self.proc.stdout.readline()
-        if not line:
-            code = self.proc.wait(timeout=30)
-            raise SideError(f"{self.name} exited (status {code}; log: {self.log_path})")
-        return json.loads(line)
-
-    def ask(self, msg: dict) -> dict:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        reply = self._read()
-        if "error" in reply:
-            raise SideError(f"{self.name}: {reply['error']} (log: {self.log_path})")
-        return reply
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=60)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-
-
 @dataclass
 class Row:
     """One side on one file: its perplexity and greedy tokens, or why there are none."""
@@ -232,13 +164,16 @@ def why(e: Exception) -> str:
 def run_side(row: Row, run_as: str, windows: list[Window], ids: list[int], greedy) -> Row:
     log(f"{row.side} {row.precision} ({row.label}): {row.model}")
     try:
-        side = Side(row.side, run_as, row.model, row.options, f"{row.precision}-{row.label}")
-    except SideError as e:
+        slug = f"{row.precision}-{row.label}".replace(" ", "_").replace(",", "")
+        side = Worker(
+            row.side, run_as, row.model, row.options, WORKER, f"perplexity-{row.side}-{slug}"
+        )
+    except WorkerError as e:
         row.skipped = why(e)
         log(f"  skipped: {row.skipped}")
         return row
     try:
-        row.startup_s, row.info = side.startup_s, side.info
+        row.startup_s, row.info = side.ready.get("startup_s"), side.info
         reply = side.ask({"op": "nll", "windows": [ids[w.start : w.end] for w in windows]})
         nll = scored_nll(windows, reply["nll"])
         row.ppl, row.scored_tokens, row.nll_seconds = perplexity(nll), len(nll), reply["seconds"]
@@ -247,7 +182,7 @@ def run_side(row: Row, run_as: str, windows: list[Window], ids: list[int], greed
         ]
         row.greedy = side.ask({"op": "run", "requests": greedy})["tokens"]
         log(f"  ppl {row.ppl:.4f} over {row.scored_tokens} tokens ({row.nll_seconds:.1f} s)")
-    except SideError as e:
+    except WorkerError as e:
         row.skipped = why(e)
         log(f"  failed: {row.skipped}")
     except BaseException:  # interrupted: no waiting for the worker to finish its request

@@ -224,7 +224,15 @@ class WorkerError(RuntimeError):
 class Worker:
     """One side at one precision in its own process: JSON lines over its stdin and stdout."""
 
-    def __init__(self, side: str, precision: str, model: str, options: dict):
+    def __init__(
+        self,
+        side: str,
+        precision: str,
+        model: str,
+        options: dict,
+        worker: str = WORKER,  # a script speaking worker.py's protocol
+        log_name: str | None = None,  # default: SIDE-PRECISION
+    ):
         self.side, self.precision = side, precision
         self.name = f"{side}/{precision}"
         env = dict(os.environ)
@@ -240,11 +248,11 @@ class Worker:
         else:
             python = OUR_VENV_PYTHON
         os.makedirs(LOG_DIR, exist_ok=True)
-        self.log_path = os.path.join(LOG_DIR, f"{side}-{precision}.log")
+        self.log_path = os.path.join(LOG_DIR, f"{log_name or f'{side}-{precision}'}.log")
         self.log = open(self.log_path, "w")
         cmd = [
             python,
-            WORKER,
+            worker,
             "--side",
             side,
             "--precision",
@@ -277,6 +285,7 @@ class Worker:
             self.close()
             raise WorkerError(f"{self.name} failed to start: {ready.get('error')}\n{tail}")
         self.startup_s = time.perf_counter() - start
+        self.ready = ready  # the worker's ready message (its own start-up seconds)
         self.info = ready.get("info", {})
         if side == "vllm":
             self.info.setdefault("threads", os.cpu_count())
@@ -303,13 +312,18 @@ class Worker:
             raise WorkerError(f"{self.name} exited (status {code})\n{self.tail()}")
         return json.loads(line)
 
-    def run(self, requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], float]:
+    def ask(self, message: dict) -> dict:
+        """One request of the protocol and its reply (WorkerError for an error reply)."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"op": "run", "requests": requests}) + "\n")
+        self.proc.stdin.write(json.dumps(message) + "\n")
         self.proc.stdin.flush()
         reply = self._read(RUN_TIMEOUT_S)
         if "error" in reply:
             raise WorkerError(f"{self.name}: {reply['error']}\n{self.tail()}")
+        return reply
+
+    def run(self, requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], float]:
+        reply = self.ask({"op": "run", "requests": requests})
         return reply["tokens"], reply["seconds"]
 
     def peak_rss_gib(self) -> float | None:
