@@ -20,13 +20,24 @@ request generates exactly the tokens it asks for):
   attention) in the package's venv; unequal prompts (``mixed``) run in arrival
   order in groups of 8, left-padded, each group generating its longest output.
 * ``ours``: ``cr.LLM(model, dtype=...)`` with no other option (the defaults are
-  the point; ``--ours-options`` for experiments), on the HF directory or the
-  GGUF file (``--ours-model``).
+  the point; ``--ours-options`` for experiments, on every row of ours), on the
+  HF directory or the GGUF file (``--ours-model``; the Q4_1 file keeps its
+  blocks quantized, so that is the q4_1 row below in the given dtype).
 
-Precisions: fp32 and bf16 on every side (``--dtypes``), q8_0 and q4_1 rows for
-llama.cpp (``--llamacpp-quants``). Workloads: ``batch1`` (one 32-token prompt,
-128 new tokens), ``batch8`` (8 x 32 + 128), ``batch32`` (32 x 32 + 64), ``mixed``
-(64 requests, prompt lengths uniform 8..200, outputs 8..128, one generate call).
+Precisions: fp32 and bf16 on every side (``--dtypes``); q8_0 and q4_1 tables
+for llama.cpp (``--llamacpp-quants``, batch 1) and for us (``--ours-quants``,
+every workload), both sides on the same two GGUF files: ours is
+``cr.LLM(file)`` with its defaults, ``dtype="auto"`` (bf16 on a CPU with
+AVX512-BF16/AMX, else fp32; the worker's info records which) and
+``quantization="auto"`` (the file's Q8_0/Q4_1 blocks kept, run by our quantized
+kernels). Their greedy tokens are compared with the reference below and, at
+batch 1, with llama.cpp's on the same file; their ratio column is ours over
+llama.cpp (batch 1). Left out there: vLLM and transformers on the quantized
+files, llama.cpp beyond batch 1, ours dequantized (``quantization="none"``).
+
+Workloads: ``batch1`` (one 32-token prompt, 128 new tokens), ``batch8`` (8 x 32
++ 128), ``batch32`` (32 x 32 + 64), ``mixed`` (64 requests, prompt lengths
+uniform 8..200, outputs 8..128, one generate call).
 Prompt ids are drawn from ``random.Random`` over ids 1000..40000, fresh for
 every round and the warm-up (the same on every side), so no side's prefix
 cache ever sees a prompt twice (the lengths stay the same). tokens/s =
@@ -34,8 +45,8 @@ requested output tokens / wall time of the generate call (prefill included),
 timed inside each side's process.
 
 The HF directory every side loads (``benchmarks/.peers/smollm2-hf``) is the
-project's Q4_1 GGUF file dequantized to fp32 by transformers, so llama.cpp's
-q4_1 row runs exactly those weights, while its q8_0 row re-quantizes them.
+project's Q4_1 GGUF file dequantized to fp32 by transformers, so the q4_1
+rows run exactly those weights, while the q8_0 rows re-quantize them.
 
 Each side is a long-lived worker process (its venv's Python running
 ``peers/worker.py``, JSON lines over stdin/stdout); one precision's workers
@@ -60,7 +71,8 @@ VmHWM over each worker's process tree (vLLM runs three processes).
 
     python benchmarks/vs_vllm.py [--setup] [--quick] [--sides vllm llamacpp hf ours]
         [--dtypes fp32 bf16] [--workloads batch1 batch8 batch32 mixed] [--repeats 3]
-        [--llamacpp-quants q8_0 q4_1] [--skip hf:mixed ...] [--ours-model hf|gguf]
+        [--llamacpp-quants q8_0 q4_1] [--ours-quants q8_0 q4_1] [--skip hf:mixed ...]
+        [--ours-model hf|gguf]
         [--ours-options JSON] [--one-at-a-time] [--quiet-wait S]
         [--out benchmarks/results/vs_vllm.json]
 
@@ -69,7 +81,7 @@ cached under ``benchmarks/.peers/``; ``--setup`` builds them and exits).
 
 Left out: tokenization and detokenization (token-id prompts), sampling other
 than greedy, stopping at EOS, llama.cpp beyond batch 1 (and its server's
-batching), transformers' own continuous batching and torch.compile, vLLM's
+batching), vLLM and transformers on the quantized files, transformers' own continuous batching and torch.compile, vLLM's
 and our online servers, time to first token and latency percentiles, fp16,
 tensor parallelism, GPUs, and the tcmalloc preload vLLM's CPU docs recommend
 (not installed on this machine; vLLM warns about it at start-up).
@@ -94,8 +106,8 @@ import install  # noqa: E402  (benchmarks/peers/install.py)
 
 SIDES = ["vllm", "llamacpp", "hf", "ours"]  # start order: vLLM first (it sizes from free RAM)
 DTYPES = ["fp32", "bf16"]
-QUANTS = ["q8_0", "q4_1"]  # llama.cpp only: extra tables
-PRECISION_SIDES = {"fp32": SIDES, "bf16": SIDES, "q8_0": ["llamacpp"], "q4_1": ["llamacpp"]}
+QUANTS = ["q8_0", "q4_1"]  # GGUF files: extra tables for llama.cpp and ours
+QUANT_SIDES = ["llamacpp", "ours"]  # the sides that run the quantized files
 LLAMACPP_WORKLOADS = {"batch1"}  # its Python API runs one sequence
 VLLM_CORES = f"0-{(os.cpu_count() or 2) - 1}"  # every core, none reserved
 OUR_VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
@@ -110,6 +122,7 @@ LEFT_OUT = [
     "sampling other than greedy",
     "stopping at EOS (EOS is an ordinary token on every side)",
     "llama.cpp beyond batch 1 (its Python API runs one sequence) and its server",
+    "vLLM and transformers on the quantized GGUF files; ours on them dequantized",
     "transformers' continuous batching and torch.compile",
     "online serving, time to first token, latency percentiles",
     "fp16, tensor parallelism, GPUs",
@@ -363,8 +376,16 @@ class SideResult:
     others_busy: dict[str, list[int]] = field(default_factory=dict)  # workload -> per round
 
 
+def sides_of(precision: str, args: argparse.Namespace) -> list[str]:
+    """The sides of one precision's table, in start order (vLLM first)."""
+    if precision in DTYPES:
+        return [s for s in SIDES if s in args.sides]
+    quants = {"llamacpp": args.llamacpp_quants, "ours": args.ours_quants}
+    return [s for s in QUANT_SIDES if s in args.sides and precision in quants[s]]
+
+
 def model_for(side: str, precision: str, ours_model: str) -> str:
-    if side == "llamacpp":
+    if side == "llamacpp" or precision in QUANTS:  # the same GGUF file for both sides
         return install.gguf_path({"fp32": "f32"}.get(precision, precision))
     if side == "ours" and ours_model == "gguf":
         return install.our_gguf()
@@ -606,7 +627,8 @@ def report(
     summary: dict = {}
     for precision, results in all_results.items():
         sides = list(results)
-        both = {"ours", "vllm"} <= set(sides)
+        peer = "vllm" if precision in DTYPES else "llamacpp"  # ours is compared with it
+        both = {"ours", peer} <= set(sides)
         rows = []
         summary[precision] = {"workloads": {}}
         for w in workloads:
@@ -628,8 +650,8 @@ def report(
                 }
             if not tps:
                 continue
-            ratio = round(tps["ours"] / tps["vllm"], 2) if "ours" in tps and "vllm" in tps else None
-            entry["ours_over_vllm"] = ratio
+            ratio = round(tps["ours"] / tps[peer], 2) if "ours" in tps and peer in tps else None
+            entry[f"ours_over_{peer}"] = ratio
             summary[precision]["workloads"][w.name] = entry
             rows.append(
                 [
@@ -643,10 +665,10 @@ def report(
             f"### {precision}: tokens/s (best of {repeats}; requested output tokens / wall "
             "time of one generate call)\n"
         )
-        print_table(["workload", "requests", *sides, *(["ours / vllm"] if both else [])], rows)
+        print_table(["workload", "requests", *sides, *([f"ours / {peer}"] if both else [])], rows)
         refs = [ref_name] if ref_name else []
-        same = f"vllm/{precision}"
-        if same != ref_name and "vllm" in sides and results["vllm"].tokens:
+        same = f"{peer}/{precision}"  # the same weights on the peer (llama.cpp: batch 1 only)
+        if same != ref_name and peer in sides and results[peer].tokens:
             refs.append(same)
         summary[precision]["agreement"] = {}
         for name in refs:
@@ -713,6 +735,13 @@ def parse_args() -> argparse.Namespace:
         help="extra llama.cpp tables (none: leave them out)",
     )
     parser.add_argument(
+        "--ours-quants",
+        nargs="*",
+        default=QUANTS,
+        choices=QUANTS,
+        help="our rows on the same quantized GGUF files, every workload (none: leave them out)",
+    )
+    parser.add_argument(
         "--workloads", nargs="+", default=[w.name for w in FULL], choices=[w.name for w in FULL]
     )
     parser.add_argument("--repeats", type=int, help="timed rounds, best kept (default 3; 1 quick)")
@@ -772,6 +801,8 @@ def main() -> None:
         steps.append("vllm")
     if "llamacpp" in args.sides:
         steps += ["llamacpp", "gguf"]
+    elif "ours" in args.sides and args.ours_quants:
+        steps.append("gguf")  # the q8_0 file (converted) and the link to the Q4_1 file
     install.setup(steps)
     if args.setup:
         return
@@ -780,13 +811,10 @@ def main() -> None:
             sys.exit(f"{OUR_VENV_PYTHON} is missing: run `make .venv/.installed` first")
     catalogue = QUICK if args.quick else FULL
     workloads = [w for w in catalogue if w.name in args.workloads]
-    precisions = list(args.dtypes)
-    if "llamacpp" in args.sides:
-        precisions += list(args.llamacpp_quants)
     load_before = os.getloadavg()
     all_results: dict[str, dict[str, SideResult]] = {}
-    for precision in precisions:
-        sides = [s for s in PRECISION_SIDES[precision] if s in args.sides]
+    for precision in [*args.dtypes, *QUANTS]:
+        sides = sides_of(precision, args)
         if sides:
             log(f"=== {precision}: {', '.join(sides)}")
             all_results[precision] = run_precision(precision, sides, workloads, args)

@@ -143,7 +143,8 @@ class HFSide:
 
 
 class OursSide:
-    """``cr.LLM(model, dtype=...)``: the defaults, plus ``--options`` only when asked."""
+    """``cr.LLM(model, dtype=...)``: the defaults, plus ``--options`` only when asked; a
+    quantized file's precision (q8_0, q4_1) leaves ``dtype`` at its default, "auto"."""
 
     def __init__(self, model: str, precision: str, options: dict):
         import torch
@@ -151,9 +152,10 @@ class OursSide:
         import compile_runtime as cr
 
         self.cr = cr
-        self.llm = cr.LLM(model, dtype=TORCH_DTYPES[precision], **options)
+        self.llm = cr.LLM(model, dtype=TORCH_DTYPES.get(precision, "auto"), **options)
         self.info = {
             "compile_runtime": getattr(cr, "__version__", None),
+            "dtype": str(getattr(self.llm, "dtype", None)),
             "torch": torch.__version__,
             "threads": torch.get_num_threads(),
             "options": options,
