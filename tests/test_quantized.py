@@ -64,19 +64,42 @@ def simulated(x: np.ndarray, blocks: np.ndarray, fmt) -> np.ndarray:
     return out
 
 
-def _weight(fmt, n, k, seed=0):
+def _weight(fmt, n, k, seed=0, packed=False):
+    """GGUF blocks of a random [n, k] weight, and the weight in our row layout (or packed
+    in place into the kernel's layout)."""
     rng = np.random.default_rng(seed)
     blocks = gguf_quantize(rng.standard_normal((n, k)).astype(np.float32), TYPES[fmt])
-    return blocks, torch.from_numpy(qf.from_gguf_blocks(blocks, fmt))
+    w = torch.from_numpy(qf.from_gguf_blocks(blocks, fmt))
+    if packed:
+        qf.pack_rows(w)
+    return blocks, w
 
 
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
 @pytest.mark.parametrize("k", [32, 544, 576])
-def test_our_layout_dequantizes_to_what_gguf_does(fmt, k):
-    blocks, w = _weight(fmt, 5, k)
-    ref = gguf_dequantize(blocks, TYPES[fmt]).reshape(5, k)
-    assert w.shape == (5, k // 32, fmt.block_bytes)  # the file's bytes, no more
+@pytest.mark.parametrize("n", [5, 16, 37])  # a group of 16 rows, and groups with fewer
+def test_both_layouts_dequantize_to_what_gguf_does(fmt, k, n):
+    blocks, w = _weight(fmt, n, k)
+    ref = gguf_dequantize(blocks, TYPES[fmt]).reshape(n, k)
+    assert w.shape == (n, k // 32, fmt.block_bytes)  # the file's bytes, no more
     np.testing.assert_array_equal(qf.dequantize(w).numpy(), ref)
+    before = w.clone()
+    qf.pack_rows(w)
+    assert qf.is_packed(w) and w.shape == before.shape
+    assert n < 2 or not torch.equal(w, before)  # rearranged in place...
+    np.testing.assert_array_equal(qf.dequantize(w).numpy(), ref)  # ...the same values
+    qf.pack_rows(w)  # packing twice leaves it packed, not scrambled
+    np.testing.assert_array_equal(qf.dequantize(w).numpy(), ref)
+
+
+def test_a_weight_written_again_is_no_longer_taken_for_packed():
+    blocks, w = _weight(qf.Q8_0, 16, 64, packed=True)
+    rows = torch.from_numpy(qf.from_gguf_blocks(blocks, qf.Q8_0))
+    w.copy_(rows)  # moves the version counter
+    assert not qf.is_packed(w)
+    _, w2 = _weight(qf.Q8_0, 16, 64, packed=True)
+    qf.forget_packing(w2[4:8])  # a loader writing some rows through .data
+    assert not qf.is_packed(w2)
 
 
 def test_int8_quantization_of_floats_is_llama_cpps_q8_0():
@@ -88,10 +111,10 @@ def test_int8_quantization_of_floats_is_llama_cpps_q8_0():
 @pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
 @pytest.mark.parametrize("k", [32, 544, 576])
-@pytest.mark.parametrize("n", [1, 7, 33])
+@pytest.mark.parametrize("n", [1, 7, 33])  # groups of 16 rows and fewer
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 33])
 def test_kernel_matches_dequantized_matmul(fmt, k, n, rows):
-    blocks, w = _weight(fmt, n, k, seed=rows)
+    blocks, w = _weight(fmt, n, k, seed=rows, packed=True)
     rng = np.random.default_rng(100 + rows)
     x = rng.standard_normal((rows, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
@@ -110,7 +133,7 @@ def test_kernel_matches_dequantized_matmul(fmt, k, n, rows):
 @pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
 def test_kernel_in_bf16_and_through_cpu_linear(fmt):
-    blocks, w = _weight(fmt, 9, 576)
+    blocks, w = _weight(fmt, 9, 576, packed=True)
     x = torch.randn(3, 2, 576).bfloat16()  # 3-D input, bf16 in and out
     y = cpu_linear_impl(x, w, None)
     assert y.shape == (3, 2, 9) and y.dtype == torch.bfloat16
@@ -120,13 +143,23 @@ def test_kernel_in_bf16_and_through_cpu_linear(fmt):
     )
 
 
+def test_an_unpacked_weight_runs_through_its_dequantized_floats():
+    _, w = _weight(qf.Q4_1, 7, 64)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(quant_linear(x, w, None), x @ qf.dequantize(w).T)
+
+
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
-def test_embedding_dequantizes_the_rows_looked_up(fmt):
-    _, w = _weight(fmt, 40, 64)
-    ids = torch.tensor([[3, 0], [39, 3]])
-    rows = quant_embedding(ids, w, torch.float32)
-    assert rows.shape == (2, 2, 64)
-    torch.testing.assert_close(rows, qf.dequantize(w)[ids], rtol=0, atol=0)
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_embedding_dequantizes_the_rows_looked_up(fmt, packed, dtype):
+    _, w = _weight(fmt, 40, 64, packed=packed)  # 40 rows: two groups of 16 and one of 8
+    ids = torch.tensor([[3, 0], [39, 3], [17, 32]])
+    rows = quant_embedding(ids, w, dtype)
+    assert rows.shape == (3, 2, 64) and rows.dtype == dtype
+    torch.testing.assert_close(rows, qf.dequantize(w, dtype)[ids], rtol=0, atol=0)
+    with pytest.raises(IndexError):
+        quant_embedding(torch.tensor([40]), w, dtype)
 
 
 # ---- the real model ------------------------------------------------------------------------

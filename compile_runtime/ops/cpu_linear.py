@@ -21,8 +21,8 @@ the weight at the memory bandwidth, which oneDNN's GEMM does not at these sizes.
 move no version counter: the loader re-packs after loading
 (``repack_linear_weights``). The cost is memory: one more copy of every packed
 weight (two in bf16 with AMX). A quantized weight (``uint8`` blocks of GGUF's Q8_0,
-Q4_0 or Q4_1, ``cpu_quant_formats.py``) has no copy: the op hands it to the int8
-kernel of ``cpu_quant_gemm.py``, which reads those bytes.
+Q4_0 or Q4_1, ``cpu_quant_formats.py``) has no copy: packing rearranges its bytes in
+place into the int8 kernel's layout (``cpu_quant_gemm.py``), which reads them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from compile_runtime.ops.cpu_amx import amx_linear
 from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
 from compile_runtime.ops.cpu_gemv import gemv_linear
-from compile_runtime.ops.cpu_quant_gemm import quant_linear
+from compile_runtime.ops.cpu_quant_gemm import pack_for_kernel, quant_linear
 
 logger = logging.getLogger(__name__)
 
@@ -150,7 +150,8 @@ def pack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "use_packed_weight") and is_quantized(weight):
-            module.use_packed_weight = True  # the op reads the quantized bytes themselves
+            pack_for_kernel(weight)  # in place: the int8 kernel's layout, same bytes
+            module.use_packed_weight = True
         elif hasattr(module, "use_packed_weight") and can_pack(weight):
             pack_weight(weight)
             module.use_packed_weight = True
@@ -166,7 +167,11 @@ def repack_linear_weights(model: nn.Module) -> None:
     so they cannot be detected: whoever writes weights that way must call this.
     """
     for module in model.modules():
-        if getattr(module, "use_packed_weight", False) and not is_quantized(module.weight):
+        if not getattr(module, "use_packed_weight", False):
+            continue
+        if is_quantized(module.weight):
+            pack_for_kernel(module.weight)  # once: a packed weight is left as it is
+        else:
             pack_weight(module.weight)
 
 

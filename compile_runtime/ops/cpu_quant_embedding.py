@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compile_runtime.ops.cpu_quant_formats import dequantize
+from compile_runtime.ops.cpu_quant_gemm import quant_rows
 
 OP_NAME = "compile_runtime::quant_embedding"
 
@@ -18,8 +18,7 @@ OP_NAME = "compile_runtime::quant_embedding"
 def quant_embedding_impl(
     ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
-    rows = weight.index_select(0, ids.reshape(-1))
-    return dequantize(rows, dtype).view(*ids.shape, -1)
+    return quant_rows(weight, ids, dtype)
 
 
 _lib = torch.library.Library("compile_runtime", "FRAGMENT")

@@ -1,10 +1,10 @@
-"""Quantized weight formats: GGUF's Q8_0, Q4_0 and Q4_1 blocks, in the layout our kernels read.
+"""Quantized weight formats: GGUF's Q8_0, Q4_0 and Q4_1 blocks, in the layouts we keep them in.
 
 A quantized weight of N output rows and K inputs is a ``uint8`` tensor of shape
 ``[N, K / 32, block_bytes]``, the same bytes as the GGUF file holds (34 per block of 32
 for Q8_0, 18 for Q4_0, 20 for Q4_1), so the weights take the file's memory and the
 last dim names the format (``FORMATS``). Each row is rearranged once at load
-(``from_gguf_blocks``) for the kernel of ``cpu_quant_gemm.py``:
+(``from_gguf_blocks``) into the row layout:
 
 * the row's scales first, ``nb = K / 32`` float16 ``d`` (Q4_1: then ``nb`` float16 ``m``);
 * then its quants, in groups of 16 blocks (the last group may have fewer, ``G``): chunk
@@ -19,10 +19,28 @@ Values: Q8_0 ``w = d * q`` (q int8), Q4_0 ``w = d * (q - 8)``, Q4_1 ``w = d * q 
 (q in 0..15). Row order, rows of blocks, and block boundaries are those of the file, so
 a row permutation, a slice of rows, or a slice of whole blocks along K (before the
 rearrangement) is still a weight of the same format.
+
+That row layout is how weights load (slices, fused parts, shards are whole rows). Once
+loaded, ``pack_rows`` rearranges a linear layer's weight in place into the kernel's
+layout, the same bytes in a different order, and records it (``is_packed``):
+
+* rows in groups of 16 (the last group has ``r = N mod 16`` rows, if any), each group's
+  bytes where its rows' bytes were;
+* a group of ``r`` rows holds first its scales, block by block the ``r`` rows' ``d``
+  (float16; Q4_1: then all its ``m`` the same way), then its quants, block by block: chunk
+  ``k`` (0..7) holds elements ``4k..4k+3`` of each row, 4 bytes per row, Q8_0 as
+  ``q + 128``, Q4 two chunks per byte (chunk ``2j`` low nibbles, ``2j + 1`` high) as
+  above. The quants start on a 64-byte line whenever ``nb`` is even (so do groups), so a
+  full group's 64-byte loads never straddle two lines.
+
+So one 64-byte load and one ``vpdpbusd`` with 4 bytes of x broadcast advance 16 rows by 4
+elements, each row in its own int32 lane: no horizontal sums, and no lanes wasted on a
+row whose block count is not a multiple of 16 (576 inputs are 18 blocks).
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,23 +146,126 @@ def _unpack_nibbles(quants: torch.Tensor, nb: int) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
+def _row_fields(weight: torch.Tensor, fmt: QuantFormat):
+    """Row layout -> (d [N, nb, 2] bytes, m or None, stored quants [N, nb, 32])."""
+    n, nb, _ = weight.shape
+    flat = weight.reshape(n, -1)
+    d = flat[:, : 2 * nb].reshape(n, nb, 2)
+    m = flat[:, 2 * nb : 4 * nb].reshape(n, nb, 2) if fmt is Q4_1 else None
+    quants = flat[:, (4 if fmt is Q4_1 else 2) * nb :]
+    q = _deinterleave(quants, nb) if fmt is Q8_0 else _unpack_nibbles(quants, nb)
+    return d, m, q
+
+
+GROUP = 16  # rows per group of the packed layout
+
+
+def _row_groups(n: int) -> list[tuple[int, int, int]]:
+    """(first row, groups, rows per group): the full groups of 16 at once, then the rest."""
+    full = n // GROUP
+    parts = [(0, full, GROUP)] if full else []
+    return parts + ([(full * GROUP, 1, n - full * GROUP)] if n % GROUP else [])
+
+
+def _packed_bytes(fmt: QuantFormat, d, m, q) -> torch.Tensor:
+    """(d, m, q) of the row layout -> the packed layout's bytes, flat."""
+    n, nb = d.shape[:2]
+    parts = []
+    for start, groups, r in _row_groups(n):
+        rows = slice(start, start + groups * r)
+
+        def by_block(t: torch.Tensor, rows=rows, groups=groups, r=r) -> torch.Tensor:
+            return t[rows].reshape(groups, r, nb, 2).transpose(1, 2).reshape(groups, -1)
+
+        fields = [by_block(d)] + ([by_block(m)] if m is not None else [])
+        e = q[rows].reshape(groups, r, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [g, nb, 8, r, 4]
+        if fmt is not Q8_0:
+            e = e[:, :, 0::2] | (e[:, :, 1::2] << 4)
+        fields.append(e.reshape(groups, -1))
+        parts.append(torch.cat(fields, dim=1).reshape(-1))
+    return torch.cat(parts)
+
+
+def _packed_fields(weight: torch.Tensor, fmt: QuantFormat):
+    """Packed layout -> (d [N, nb, 2] bytes, m or None, stored quants [N, nb, 32])."""
+    n, nb, bb = weight.shape
+    flat = weight.reshape(-1)
+    ds, ms, qs = [], [], []
+    for start, groups, r in _row_groups(n):
+        group = flat[start * nb * bb : (start + groups * r) * nb * bb].reshape(groups, -1)
+
+        def by_row(t: torch.Tensor, groups=groups, r=r) -> torch.Tensor:
+            return t.reshape(groups, nb, r, 2).transpose(1, 2).reshape(groups * r, nb, 2)
+
+        scale = 2 * nb * r  # bytes of a group's d (or m)
+        ds.append(by_row(group[:, :scale]))
+        if fmt is Q4_1:
+            ms.append(by_row(group[:, scale : 2 * scale]))
+        e = group[:, (2 if fmt is Q4_1 else 1) * scale :]
+        if fmt is Q8_0:
+            e = e.reshape(groups, nb, 8, r, 4)
+        else:
+            packed = e.reshape(groups, nb, 4, r, 4)
+            e = torch.stack([packed & 0x0F, packed >> 4], dim=3).reshape(groups, nb, 8, r, 4)
+        qs.append(e.permute(0, 3, 1, 2, 4).reshape(groups * r, nb, 32))
+    return torch.cat(ds), torch.cat(ms) if ms else None, torch.cat(qs)
+
+
+# Weights rearranged in place by pack_rows, by data pointer: (the tensor, its version then).
+_packed: dict[int, tuple[weakref.ref, int]] = {}
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """``weight``'s bytes are in the packed layout (``pack_rows``), and unchanged since."""
+    entry = _packed.get(weight.data_ptr())
+    if entry is None:
+        return False
+    original = entry[0]()
+    return (
+        original is not None
+        and original.data_ptr() == weight.data_ptr()
+        and original.shape == weight.shape
+        and entry[1] == weight._version
+    )
+
+
+def pack_rows(weight: torch.Tensor) -> None:
+    """Rearrange a quantized weight (row layout) in place into the packed layout; once."""
+    fmt = format_of(weight)
+    if fmt is None:
+        raise ValueError(f"not a quantized weight: {weight.dtype} {tuple(weight.shape)}")
+    if is_packed(weight):
+        return
+    with torch.no_grad():
+        weight.view(-1).copy_(_packed_bytes(fmt, *_row_fields(weight, fmt)))
+    key = weight.data_ptr()
+    _packed[key] = (weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version)
+
+
+def forget_packing(weight: torch.Tensor) -> None:
+    """``weight`` (or a slice of it) is about to be written in the row layout again (a
+    weight loader): the packed weight it belongs to is packed afresh later."""
+    storage = weight.untyped_storage().data_ptr()
+    for key, (ref, _) in list(_packed.items()):
+        original = ref()
+        if original is None or original.untyped_storage().data_ptr() == storage:
+            _packed.pop(key, None)
+
+
 def dequantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A quantized weight (our layout, any leading rows) as floats, [N, K]."""
+    """A quantized weight (row layout, or packed) as floats, [N, K]."""
     fmt = format_of(weight)
     if fmt is None:
         raise ValueError(f"not a quantized weight: {weight.dtype} {tuple(weight.shape)}")
     n, nb, _ = weight.shape
-    flat = weight.reshape(n, -1)
-    d = flat[:, : 2 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)
+    d8, m8, q = (_packed_fields if is_packed(weight) else _row_fields)(weight, fmt)
+    d = d8.contiguous().view(torch.float16).float()  # [N, nb, 1]
     if fmt is Q8_0:
-        q = _deinterleave(flat[:, 2 * nb :], nb).to(torch.int16) - 128
-        w = d * q.float()
+        w = d * (q.to(torch.int16) - 128).float()
     elif fmt is Q4_0:
-        q = _unpack_nibbles(flat[:, 2 * nb :], nb).to(torch.int16) - 8
-        w = d * q.float()
+        w = d * (q.to(torch.int16) - 8).float()
     else:
-        m = flat[:, 2 * nb : 4 * nb].contiguous().view(torch.float16).float().unsqueeze(-1)
-        w = d * _unpack_nibbles(flat[:, 4 * nb :], nb).float() + m
+        w = d * q.float() + m8.contiguous().view(torch.float16).float()
     return w.reshape(n, nb * BLOCK).to(dtype)
 
 

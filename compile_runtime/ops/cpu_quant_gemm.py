@@ -7,17 +7,23 @@ product is one exact integer dot product times two scales: ``d_w * d_x * sum(q_w
 q_x)`` (plus ``m_w * d_x * sum(q_x)`` for Q4_1, minus the offset of the unsigned
 weights for Q8_0 and Q4_0, folded into the integer sum's start value).
 
-The weight's layout puts element ``4k..4k+3`` of 16 blocks side by side, so a
-64-byte load and one AVX512-VNNI ``vpdpbusd`` advance 16 blocks by 4 elements,
-each block in its own int32 lane: 8 of them make 16 block sums, converted and
-multiplied by 16 scales at once (one float16 load, one multiply, one FMA per 16
-blocks). Q4 weights are unpacked in registers (two ANDs and a shift per 64 bytes).
-The tile is 4 weight rows by up to 4 rows of x; rows of the weight are shared out
-over the threads (OpenMP), each thread reading its rows front to back with a
-software prefetch 4 KiB ahead; more rows of x reuse the weight rows from L1. The
-kernel is memory-bound at one row: the weight bytes of a token are read once.
-Needs AVX512-VNNI and a C compiler; else ``quant_linear`` dequantizes the weight
-and calls ``F.linear`` (correct, slow).
+The kernel reads the packed layout (``pack_rows``: rows in groups of 16, block by
+block): one 64-byte load of 16 rows' elements ``4k..4k+3`` and one AVX512-VNNI
+``vpdpbusd`` with those 4 bytes of x broadcast advance 16 rows at once, each row's
+block sum in its own int32 lane; the 16 rows' scales come in one float16 load, so
+a block costs 8 loads, 8 ``vpdpbusd`` (two chains of 4) and one multiply-add for 16
+rows, with no horizontal sums and no lanes left empty at any K (the per-row layout
+before this wasted 14 of 32 lanes at K = 576, where SmolLM2's linears mostly are).
+Q4 weights are unpacked in registers (an AND and a shift per 64 bytes). Groups of
+rows are shared out over the threads (OpenMP), each reading its groups front to back
+with a software prefetch 2 KiB ahead; up to 4 rows of x share each group's loads.
+Up to 4 rows of x are quantized before the parallel region (one barrier less).
+Measured in a decode step's order of SmolLM2-135M's 121 linears (30 distinct layers,
+weights streamed from memory, 2 threads): Q8_0 7.4-8.1 ms a token against 8.5-8.7 ms
+for the per-row kernel, Q4_1 3.9-5.1 against 5.6-5.8 ms. ``qrows`` dequantizes rows of
+a packed table (the tied embedding). Needs AVX512-VNNI and a C compiler; else, or for
+a weight that is not packed, ``quant_linear`` computes through the dequantized weight
+(correct, slow).
 """
 
 from __future__ import annotations
@@ -28,7 +34,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.ops.cpu_quant_formats import Q4_0, Q4_1, Q8_0, dequantize, format_of
+from compile_runtime.ops.cpu_quant_formats import (
+    Q4_0,
+    Q4_1,
+    Q8_0,
+    dequantize,
+    format_of,
+    is_packed,
+    pack_rows,
+)
 
 FORMAT_IDS = {Q8_0: 0, Q4_0: 1, Q4_1: 2}
 _FORMAT_BY_BYTES = {f.block_bytes: i for f, i in FORMAT_IDS.items()}
@@ -36,15 +50,15 @@ _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
 
 SOURCE = r"""
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)
-#define PF 4096  /* bytes ahead in the weight stream */
+#define PF 2048  /* bytes ahead in a thread's weight stream */
 enum { Q80 = 0, Q40 = 1, Q41 = 2 };
+static const int BLOCK_BYTES[3] = {34, 18, 20};
 
 static inline float fp16_round(float f) { return _cvtsh_ss(_cvtss_sh(f, 0)); }
 
-/* One row of x (f32 or bf16) quantized per block of 32: interleaved int8 (chunk k of a
- * group of G blocks: element 4k..4k+3 of each block), d (float16-rounded), the integer
- * sums' start value (minus the weights' offset times sum(q)) and, for Q4_1, d * sum(q)
- * (float16-rounded, as llama.cpp's Q8_1 stores it). */
+/* One row of x (f32 or bf16) quantized per block of 32, as llama.cpp does: int8 in order,
+ * d (float16-rounded), the integer sums' start value (minus the weights' offset times
+ * sum(q)) and, for Q4_1, d * sum(q) (float16-rounded, as llama.cpp's Q8_1 stores it). */
 static void quantize_row(const void* x, int bf16, int64_t K, int fmt, int8_t* xq, float* dx,
                          int32_t* start, float* sx) {
     const int64_t nb = K / 32;
@@ -66,117 +80,98 @@ static void quantize_row(const void* x, int bf16, int64_t K, int fmt, int8_t* xq
         const __m512i q0 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v0, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const __m512i q1 = _mm512_cvt_roundps_epi32(_mm512_mul_ps(v1, vid), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
         const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
-        int8_t q[32];
-        _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(q0));
-        _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(q1));
-        const int64_t g0 = b / 16 * 16, G = nb - g0 < 16 ? nb - g0 : 16, l = b - g0;
-        int8_t* dst = xq + g0 * 32 + 4 * l;
-        for (int k = 0; k < 8; k++) memcpy(dst + 4 * G * k, q + 4 * k, 4);
+        _mm_storeu_si128((__m128i*)(xq + b * 32), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(xq + b * 32 + 16), _mm512_cvtsepi32_epi8(q1));
         dx[b] = fp16_round(d);
         start[b] = fmt == Q80 ? -128 * sum : fmt == Q40 ? -8 * sum : 0;
         sx[b] = fmt == Q41 ? fp16_round(d * (float)sum) : 0.f;
     }
 }
 
-/* One group of G blocks (16, or fewer at a row's end) of R weight rows (1 or 4) times MR
- * rows of x (1..4), added to acc[i * 4 + r]. */
+/* 16 floats to bfloat16, rounded to nearest even as torch does (NaN stays NaN). */
+static inline __m256i f32x16_to_bf16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i top = _mm512_srli_epi32(u, 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(
+        _mm512_set1_epi32(0x7fff), _mm512_and_si512(top, _mm512_set1_epi32(1)))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q),
+                              _mm512_or_si512(top, _mm512_set1_epi32(0x40)));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* One group of r (1..16) weight rows (packed layout: the group's scales, then its quants
+ * block by block) times MR (1..4) rows of quantized x: acc[i] lane l = row l's sum for x
+ * row i. */
 static inline __attribute__((always_inline)) void qgroup(
-        const uint8_t* w0, int64_t rb, const int FMT, const int8_t* xq, const float* dx,
-        const int32_t* xs, const float* sx, int64_t K, int64_t nb, int64_t b0, const int G,
-        const int R, const int MR, const int pf, __m512* acc) {
-    const int64_t sb = FMT == Q41 ? 4 * nb : 2 * nb;   /* scale bytes of a row */
-    const int64_t qg = FMT == Q80 ? 512 : 256;          /* quant bytes of a full group */
+        const uint8_t* gw, const int FMT, const int r, const int64_t nb, const int8_t* xq,
+        const float* dx, const int32_t* xs, const float* sx, const int64_t K, const int MR,
+        const int pf, __m512* acc) {
+    const int64_t qb = FMT == Q80 ? 32 * r : 16 * r;   /* quant bytes of a block */
+    const uint8_t* scales = gw;
+    const uint8_t* mins = gw + 2 * nb * r;              /* Q4_1 */
+    const uint8_t* quants = gw + (FMT == Q41 ? 4 : 2) * nb * r;
+    const __mmask16 rm = (__mmask16)((1u << r) - 1);
+    const __mmask64 cm = r == 16 ? ~0ull : (1ull << (4 * r)) - 1;
     const __m512i low = _mm512_set1_epi8(0x0F);
-    const __mmask16 bm = (__mmask16)((1u << G) - 1);
-    const __mmask64 cm = G == 16 ? ~0ull : (1ull << (4 * G)) - 1;
-    const int cs = 4 * G;                               /* bytes of a chunk */
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) {
-        const uint8_t* row = w0 + r * rb;
-        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, row + 2 * b0));
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t* q = quants + b * qb;
+        if (pf)
+            for (int64_t o = 0; o < qb; o += 64) _mm_prefetch((const char*)q + PF + o, _MM_HINT_T0);
+        const __m512 dw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, scales + 2 * r * b));
         __m512 mw = _mm512_setzero_ps();
-        if (FMT == Q41) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(bm, row + 2 * nb + 2 * b0));
-        const uint8_t* q = row + sb + qg * (b0 / 16);
+        if (FMT == Q41) mw = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(rm, mins + 2 * r * b));
         __m512i wc[8];
         if (FMT == Q80) {
             _Pragma("GCC unroll 8")
-            for (int k = 0; k < 8; k++) {
-                if (pf) _mm_prefetch((const char*)(q + cs * k) + PF, _MM_HINT_T0);
-                wc[k] = _mm512_maskz_loadu_epi8(cm, q + cs * k);
-            }
+            for (int k = 0; k < 8; k++) wc[k] = _mm512_maskz_loadu_epi8(cm, q + 4 * r * k);
         } else {
             _Pragma("GCC unroll 4")
             for (int j = 0; j < 4; j++) {
-                if (pf) _mm_prefetch((const char*)(q + cs * j) + PF, _MM_HINT_T0);
-                const __m512i p = _mm512_maskz_loadu_epi8(cm, q + cs * j);
-                wc[2 * j] = _mm512_and_si512(p, low);
-                wc[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(p, 4), low);
+                const __m512i packed = _mm512_maskz_loadu_epi8(cm, q + 4 * r * j);
+                wc[2 * j] = _mm512_and_si512(packed, low);
+                wc[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low);
             }
         }
         _Pragma("GCC unroll 4")
         for (int i = 0; i < MR; i++) {
-            const int8_t* xg = xq + i * K + b0 * 32;
-            __m512i t = _mm512_maskz_loadu_epi32(bm, xs + i * nb + b0);
-            _Pragma("GCC unroll 8")
-            for (int k = 0; k < 8; k++)
-                t = _mm512_dpbusd_epi32(t, wc[k], _mm512_maskz_loadu_epi8(cm, xg + cs * k));
-            const __m512 s = _mm512_mul_ps(dw, _mm512_maskz_loadu_ps(bm, dx + i * nb + b0));
-            acc[i * 4 + r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(t), s, acc[i * 4 + r]);
-            if (FMT == Q41)
-                acc[i * 4 + r] = _mm512_fmadd_ps(mw, _mm512_maskz_loadu_ps(bm, sx + i * nb + b0), acc[i * 4 + r]);
+            const int8_t* xb = xq + i * K + b * 32;
+            /* two chains of four, so one block's sum waits on four multiplies, not eight */
+            __m512i t0 = _mm512_set1_epi32(xs[i * nb + b]), t1 = _mm512_setzero_si512();
+            _Pragma("GCC unroll 4")
+            for (int k = 0; k < 8; k += 2) {
+                t0 = _mm512_dpbusd_epi32(t0, wc[k], _mm512_broadcastd_epi32(_mm_loadu_si32(xb + 4 * k)));
+                t1 = _mm512_dpbusd_epi32(t1, wc[k + 1], _mm512_broadcastd_epi32(_mm_loadu_si32(xb + 4 * k + 4)));
+            }
+            const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(dx[i * nb + b]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t0, t1)), s, acc[i]);
+            if (FMT == Q41) acc[i] = _mm512_fmadd_ps(mw, _mm512_set1_ps(sx[i * nb + b]), acc[i]);
         }
     }
 }
 
-/* R weight rows times MR rows of x, every row of nb = K / 32 blocks: res[i * 4 + r]. Full
- * groups take the unmasked path (G a constant 16); the last, shorter one the masked. */
-static inline __attribute__((always_inline)) void qtile(
-        const uint8_t* w0, int64_t rb, const int FMT, const int8_t* xq, const float* dx,
-        const int32_t* xs, const float* sx, int64_t K, int64_t nb, const int R, const int MR,
-        const int pf, float* res) {
-    __m512 acc[16];
-    _Pragma("GCC unroll 16")
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    int64_t b0 = 0;
-    for (; b0 + 16 <= nb; b0 += 16)
-        qgroup(w0, rb, FMT, xq, dx, xs, sx, K, nb, b0, 16, R, MR, pf, acc);
-    if (b0 < nb) qgroup(w0, rb, FMT, xq, dx, xs, sx, K, nb, b0, (int)(nb - b0), R, MR, pf, acc);
-    __m512 out[16];
-    _Pragma("GCC unroll 16")
-    for (int i = 0; i < 16; i++) out[i] = acc[i];
-    _mm512_storeu_ps(res, sum16(out));
-}
-
-#define DEFINE_TILES(NAME, FMT)                                                               \
-static void NAME(const uint8_t* w0, int64_t rb, const int8_t* xq, const float* dx,           \
-                 const int32_t* xs, const float* sx, int64_t K, int64_t nb, int R, int MR,    \
-                 int pf, float* res) {                                                        \
-    if (R == 4) switch (MR) {                                                                 \
-        case 1: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 4, 1, pf, res); break;              \
-        case 2: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 4, 2, pf, res); break;              \
-        case 3: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 4, 3, pf, res); break;              \
-        default: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 4, 4, pf, res); break;             \
-    } else switch (MR) {                                                                      \
-        case 1: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 1, 1, pf, res); break;              \
-        case 2: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 1, 2, pf, res); break;              \
-        case 3: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 1, 3, pf, res); break;              \
-        default: qtile(w0, rb, FMT, xq, dx, xs, sx, K, nb, 1, 4, pf, res); break;             \
+#define DEFINE_GROUP(NAME, FMT)                                                               \
+static void NAME(const uint8_t* gw, int r, int64_t nb, const int8_t* xq, const float* dx,    \
+                 const int32_t* xs, const float* sx, int64_t K, int MR, int pf, __m512* acc) { \
+    switch (MR) {                                                                             \
+        case 1: qgroup(gw, FMT, r, nb, xq, dx, xs, sx, K, 1, pf, acc); break;                 \
+        case 2: qgroup(gw, FMT, r, nb, xq, dx, xs, sx, K, 2, pf, acc); break;                 \
+        case 3: qgroup(gw, FMT, r, nb, xq, dx, xs, sx, K, 3, pf, acc); break;                 \
+        default: qgroup(gw, FMT, r, nb, xq, dx, xs, sx, K, 4, pf, acc); break;                \
     }                                                                                         \
 }
-DEFINE_TILES(tiles_q80, Q80)
-DEFINE_TILES(tiles_q40, Q40)
-DEFINE_TILES(tiles_q41, Q41)
+DEFINE_GROUP(group_q80, Q80)
+DEFINE_GROUP(group_q40, Q40)
+DEFINE_GROUP(group_q41, Q41)
 
-typedef void (*tiles_fn)(const uint8_t*, int64_t, const int8_t*, const float*, const int32_t*,
-                         const float*, int64_t, int64_t, int, int, int, float*);
+typedef void (*group_fn)(const uint8_t*, int, int64_t, const int8_t*, const float*,
+                         const int32_t*, const float*, int64_t, int, int, __m512*);
 
 /* y [M, N] (rows y_stride apart, x's dtype) = x [M, K] (rows x_stride apart) times the
- * quantized w [N, K / 32 blocks] (our layout) (+ bias [N], x's dtype, or NULL). */
+ * packed quantized w [N, K / 32 blocks] (+ bias [N], x's dtype, or NULL). */
 void qgemm(const void* x, int64_t x_stride, int bf16, const uint8_t* w, int fmt,
            const void* bias, void* y, int64_t y_stride, int64_t M, int64_t N, int64_t K,
            int64_t num_threads) {
-    const int64_t nb = K / 32, esize = bf16 ? 2 : 4;
-    const int64_t rb = nb * (fmt == Q80 ? 34 : fmt == Q40 ? 18 : 20);
+    const int64_t nb = K / 32, esize = bf16 ? 2 : 4, bb = BLOCK_BYTES[fmt];
     /* x's quantized rows: one buffer per calling thread, grown when a call needs more */
     static __thread char* buf = NULL;
     static __thread int64_t buf_size = 0;
@@ -190,39 +185,77 @@ void qgemm(const void* x, int64_t x_stride, int bf16, const uint8_t* w, int fmt,
     float* dx = (float*)(buf + ((M * K + 63) & ~63));
     int32_t* xs = (int32_t*)(dx + M * nb);
     float* sx = (float*)(xs + M * nb);
-    const tiles_fn tiles = fmt == Q80 ? tiles_q80 : fmt == Q40 ? tiles_q40 : tiles_q41;
-    const int64_t blocks = (N + 3) / 4;
-    #pragma omp parallel num_threads(num_threads)
-    {
-        /* one parallel region a call: x quantized (rows shared out), a barrier, the tiles */
-        #pragma omp for schedule(static)
+    const group_fn group = fmt == Q80 ? group_q80 : fmt == Q40 ? group_q40 : group_q41;
+    const int64_t groups = (N + 15) / 16;
+    const int few = M <= 4;  /* a few rows of x: quantized here, one barrier less */
+    if (few)
         for (int64_t m = 0; m < M; m++)
             quantize_row((const char*)x + m * x_stride * esize, bf16, K, fmt, xq + m * K,
                          dx + m * nb, xs + m * nb, sx + m * nb);
+    #pragma omp parallel num_threads(num_threads)
+    {
+        if (!few) {
+            #pragma omp for schedule(static)
+            for (int64_t m = 0; m < M; m++)
+                quantize_row((const char*)x + m * x_stride * esize, bf16, K, fmt, xq + m * K,
+                             dx + m * nb, xs + m * nb, sx + m * nb);
+        }
         #pragma omp for schedule(static)
-        for (int64_t blk = 0; blk < blocks; blk++) {
-            const int64_t n0 = blk * 4;
-            const int R = N - n0 >= 4 ? 4 : 1;
-            const int64_t nr = N - n0 >= 4 ? 4 : N - n0;
-            for (int64_t n = n0; n < n0 + nr; n += R) {
-                for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                    const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
-                    float res[16];
-                    tiles(w + n * rb, rb, xq + m0 * K, dx + m0 * nb, xs + m0 * nb,
-                          sx + m0 * nb, K, nb, R, mr, m0 == 0, res);
-                    for (int i = 0; i < mr; i++)
-                        for (int r = 0; r < R; r++) {
-                            float s = res[i * 4 + r];
-                            const int64_t o = (m0 + i) * y_stride + n + r;
-                            if (bf16) {
-                                if (bias) s += bf16_to_f32(((const uint16_t*)bias)[n + r]);
-                                ((uint16_t*)y)[o] = f32_to_bf16(s);
-                            } else {
-                                if (bias) s += ((const float*)bias)[n + r];
-                                ((float*)y)[o] = s;
-                            }
-                        }
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t n0 = g * 16;
+            const int r = N - n0 < 16 ? (int)(N - n0) : 16;
+            const __mmask16 rm = (__mmask16)((1u << r) - 1);
+            const uint8_t* gw = w + n0 * nb * bb;
+            __m512 bv = _mm512_setzero_ps();
+            if (bias)
+                bv = bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                                _mm256_maskz_loadu_epi16(rm, (const uint16_t*)bias + n0)), 16))
+                          : _mm512_maskz_loadu_ps(rm, (const float*)bias + n0);
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mr = M - m0 < 4 ? (int)(M - m0) : 4;
+                __m512 acc[4] = {bv, bv, bv, bv};
+                group(gw, r, nb, xq + m0 * K, dx + m0 * nb, xs + m0 * nb, sx + m0 * nb, K, mr,
+                      m0 == 0, acc);
+                for (int i = 0; i < mr; i++) {
+                    const int64_t o = (m0 + i) * y_stride + n0;
+                    if (bf16) _mm256_mask_storeu_epi16((uint16_t*)y + o, rm, f32x16_to_bf16(acc[i]));
+                    else _mm512_mask_storeu_ps((float*)y + o, rm, acc[i]);
                 }
+            }
+        }
+    }
+}
+
+/* Rows ids[0..n) of a packed quantized table w [N, K / 32 blocks], dequantized: out [n, K]
+ * (bf16 or f32), each value d * q (Q4_1: d * q + m) in float32 as dequantize computes it. */
+void qrows(const uint8_t* w, int fmt, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+           void* out, int bf16) {
+    const int64_t nb = K / 32, bb = BLOCK_BYTES[fmt], sb = fmt == Q41 ? 4 : 2;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t row = ids[t], n0 = row / 16 * 16, l = row - n0;
+        const int64_t r = N - n0 < 16 ? N - n0 : 16;
+        const uint8_t* gw = w + n0 * nb * bb;
+        const uint8_t* quants = gw + sb * nb * r;
+        for (int64_t b = 0; b < nb; b++) {
+            uint16_t h;
+            memcpy(&h, gw + 2 * (b * r + l), 2);
+            const float d = _cvtsh_ss(h);
+            float m = 0.f;
+            if (fmt == Q41) { memcpy(&h, gw + 2 * nb * r + 2 * (b * r + l), 2); m = _cvtsh_ss(h); }
+            const uint8_t* q = quants + b * r * (fmt == Q80 ? 32 : 16);
+            for (int e = 0; e < 32; e++) {
+                const int k = e / 4, i = e % 4;
+                float v;
+                if (fmt == Q80) {
+                    v = d * (float)((int)q[4 * r * k + 4 * l + i] - 128);
+                } else {
+                    const uint8_t byte = q[4 * r * (k / 2) + 4 * l + i];
+                    const int nib = k % 2 ? byte >> 4 : byte & 0x0F;
+                    v = fmt == Q40 ? d * (float)(nib - 8) : d * (float)nib + m;
+                }
+                const int64_t o = t * K + b * 32 + e;
+                if (bf16) ((uint16_t*)out)[o] = f32_to_bf16(v);
+                else ((float*)out)[o] = v;
             }
         }
     }
@@ -235,27 +268,43 @@ int qgemm_available(void) { return 0; }
 
 
 @functools.cache
-def _kernel():
-    """The ``qgemm`` function of the built library, or None (no compiler, no AVX512-VNNI)."""
+def _library():
+    """The built library (``qgemm``, ``qrows``), or None (no compiler, no AVX512-VNNI)."""
     from compile_runtime.ops.c_library import load_c_library
 
     lib = load_c_library("qgemm", SOURCE, "quantized CPU linear layers")
     if lib is None or not lib.qgemm_available():
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn = lib.qgemm
-    fn.argtypes = [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64]
-    fn.restype = None
-    return fn
+    lib.qgemm.argtypes = [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64]
+    lib.qgemm.restype = None
+    lib.qrows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
+    lib.qrows.restype = None
+    return lib
+
+
+def _kernel():
+    lib = _library()
+    return None if lib is None else lib.qgemm
 
 
 def kernel_available() -> bool:
-    return _kernel() is not None
+    return _library() is not None
+
+
+def pack_for_kernel(weight: torch.Tensor) -> bool:
+    """Put a quantized weight in the kernel's layout (in place, once) when the kernel is
+    here; True if it now runs through the kernel."""
+    if kernel_available() and weight.is_contiguous():
+        pack_rows(weight)
+        return True
+    return False
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear(x, dequantize(weight), bias)`` for a quantized ``weight`` (our layout),
-    by the int8 kernel (x quantized per block of 32, as llama.cpp does); any row count."""
+    """``F.linear(x, dequantize(weight), bias)`` for a quantized ``weight``: by the int8
+    kernel (x quantized per block of 32, as llama.cpp does; any row count) when the weight
+    is packed (``pack_for_kernel``), else through the dequantized weight."""
     n, nb, block_bytes = weight.shape  # the lean path first: this runs ~120 times a token
     fmt_id = _FORMAT_BY_BYTES.get(block_bytes)
     kernel = _kernel()
@@ -267,7 +316,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         or weight.dtype != torch.uint8
         or dtype not in _X_DTYPES
         or x.shape[-1] != k
-        or not weight.is_contiguous()
+        or not is_packed(weight)
     ):
         if format_of(weight) is None:
             raise ValueError(f"not a quantized weight: {weight.dtype} {tuple(weight.shape)}")
@@ -287,3 +336,24 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             torch.get_num_threads(),
         )  # fmt: skip
     return out if two_d else out.view(*x.shape[:-1], n)
+
+
+def quant_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` (any shape) of a quantized table, dequantized to ``dtype``: [*ids, K]."""
+    n, nb, block_bytes = weight.shape
+    lib = _library()
+    flat = ids.reshape(-1)
+    if lib is None or dtype not in _X_DTYPES or not is_packed(weight):
+        rows = weight.index_select(0, flat) if not is_packed(weight) else None
+        if rows is None:  # packed rows are spread over their group: dequantize them all
+            return dequantize(weight, dtype)[flat].view(*ids.shape, -1)
+        return dequantize(rows, dtype).view(*ids.shape, -1)
+    flat = flat.to(torch.int64).contiguous()
+    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
+        raise IndexError(f"token id out of range: the table has {n} rows")
+    out = torch.empty(flat.numel(), nb * 32, dtype=dtype)
+    lib.qrows(
+        weight.data_ptr(), _FORMAT_BY_BYTES[block_bytes], n, nb * 32, flat.data_ptr(),
+        flat.numel(), out.data_ptr(), _X_DTYPES[dtype],
+    )  # fmt: skip
+    return out.view(*ids.shape, -1)
