@@ -109,6 +109,9 @@ class BatchedPlan:
     min_block_id: int = 0
     max_block_id: int = 0
     max_slot: int = -1
+    # The decode kernel's arguments every layer of the step shares, by (cache shape, padded
+    # tokens): checked against the cache once a step, not once a layer.
+    kernel_step_args: dict = field(default_factory=dict)
 
 
 def _plan_group(
@@ -193,23 +196,34 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
         )
 
 
-def _kernel_takes(spec, query, key, value, output, kv_cache, metadata: AttentionMetadata) -> bool:
-    """The C kernel reads raw float32 or bfloat16 / int64 memory: only layouts it was
-    written for, every tensor in one of those dtypes."""
-    slots = metadata.slot_mapping
-    heads, kv_heads = (spec.num_heads, spec.head_size), (spec.num_kv_heads, spec.head_size)
+def _kernel_takes(spec, query, key, value, output, kv_cache) -> bool:
+    """The C kernel reads raw float32 or bfloat16 memory: only layouts it was written for,
+    every tensor in one of those dtypes (the slot mapping: ``_step_args``)."""
+    dtype, d = query.dtype, spec.head_size
     return (
-        query.shape[1:] == heads
-        and output.shape[1:] == heads
-        and key.shape[1:] == kv_heads
-        and value.shape[1:] == kv_heads
-        and kv_cache.shape[3:] == kv_heads
-        and query.dtype in KERNEL_DTYPES
-        and all(t.dtype == query.dtype for t in (key, value, output, kv_cache))
+        dtype in KERNEL_DTYPES
+        and key.dtype == dtype
+        and value.dtype == dtype
+        and output.dtype == dtype
+        and kv_cache.dtype == dtype
+        and query.shape[1] == spec.num_heads
+        and output.shape[1] == spec.num_heads
+        and key.shape[1] == spec.num_kv_heads
+        and value.shape[1] == spec.num_kv_heads
+        and query.shape[2] == d
+        and key.shape[2] == d
+        and value.shape[2] == d
+        and output.shape[2] == d
+        and query.stride(2) == 1
+        and key.stride(2) == 1
+        and value.stride(2) == 1
+        and output.stride(2) == 1
+        and query.stride(1) == d
+        and key.stride(1) == d
+        and value.stride(1) == d
+        and output.stride(1) == d
+        and kv_cache.shape[3:] == (spec.num_kv_heads, d)
         and kv_cache.is_contiguous()
-        and slots.dtype == torch.int64
-        and slots.is_contiguous()
-        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key, value, output))
     )
 
 
@@ -230,11 +244,12 @@ class CPUBatchedImpl(AttentionImpl):
         plan: BatchedPlan = metadata.backend_state
         kernel = None
         if plan.decode is not None and _kernel_takes(
-            self.spec, query, key, value, output, kv_cache, metadata
+            self.spec, query, key, value, output, kv_cache
         ):
             kernel = load_decode_kernel()
-        if kernel is not None:
-            self._decode_kernel(kernel, query, key, value, kv_cache, metadata, output)
+        step = None if kernel is None else self._step_args(plan, kv_cache, metadata, key.shape[0])
+        if step is not None:
+            self._decode_kernel(kernel, query, key, value, kv_cache, step, output)
         else:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
             if plan.decode is not None:
@@ -243,11 +258,17 @@ class CPUBatchedImpl(AttentionImpl):
             self._prefill(query, kv_cache, plan.prefill, output)
         return metadata.num_actual_tokens
 
-    def _decode_kernel(self, kernel, query, key, value, kv_cache, metadata, output) -> None:
-        """Cache writes of the whole step and the decode group's attention in one C call."""
-        plan: BatchedPlan = metadata.backend_state
-        spec, group = self.spec, plan.decode
+    @staticmethod
+    def _step_args(
+        plan: BatchedPlan, kv_cache: torch.Tensor, metadata: AttentionMetadata, num_tokens: int
+    ) -> tuple | None:
+        """The kernel's arguments shared by the step's layers (None: the slot mapping is not
+        the kernel's), checked against the cache at the step's first layer."""
         num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[2]
+        key = (num_blocks, block_size, num_tokens)
+        args = plan.kernel_step_args.get(key)
+        if args is not None:
+            return args
         if (
             plan.min_block_id < 0
             or plan.max_block_id >= num_blocks
@@ -260,8 +281,23 @@ class CPUBatchedImpl(AttentionImpl):
                 f"{num_blocks} blocks of {block_size}; the block table or slot mapping does not "
                 "belong to this cache"
             )
-        slots = metadata.slot_mapping
-        num_new = min(key.shape[0], slots.shape[0])
+        slots, group = metadata.slot_mapping, plan.decode
+        if slots.dtype != torch.int64 or not slots.is_contiguous():
+            return None
+        args = (
+            slots.data_ptr(), min(num_tokens, slots.shape[0]),
+            group.block_ids.data_ptr(), group.num_blocks,
+            group.seq_lens.data_ptr(), group.query_tokens.data_ptr(), group.num_reqs,
+        )  # fmt: skip
+        plan.kernel_step_args[key] = args
+        return args
+
+    def _decode_kernel(self, kernel, query, key, value, kv_cache, step, output) -> None:
+        """Cache writes of the whole step and the decode group's attention in one C call."""
+        slots, num_new, block_ids, num_blocks, seq_lens, query_tokens, num_reqs = step
+        spec = self.spec
+        keys = kv_cache.data_ptr()
+        values = keys + kv_cache.stride(0) * kv_cache.element_size()
         decode = (
             kernel.paged_decode_f32 if query.dtype == torch.float32 else kernel.paged_decode_bf16
         )
@@ -269,12 +305,9 @@ class CPUBatchedImpl(AttentionImpl):
             query.data_ptr(), query.stride(0),
             key.data_ptr(), key.stride(0),
             value.data_ptr(), value.stride(0),
-            slots.data_ptr(), num_new,
-            kv_cache[0].data_ptr(), kv_cache[1].data_ptr(),
-            group.block_ids.data_ptr(), group.num_blocks,
-            group.seq_lens.data_ptr(), group.query_tokens.data_ptr(),
+            slots, num_new, keys, values, block_ids, num_blocks, seq_lens, query_tokens,
             output.data_ptr(), output.stride(0),
-            group.num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
             kv_cache.shape[2], spec.scale, spec.logits_soft_cap or 0.0, spec.sliding_window or 0,
             torch.get_num_threads(),
         )  # fmt: skip

@@ -283,6 +283,7 @@ def _library():
     return lib
 
 
+@functools.cache
 def _kernel():
     lib = _library()
     return None if lib is None else lib.qgemm
@@ -305,7 +306,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """``F.linear(x, dequantize(weight), bias)`` for a quantized ``weight``: by the int8
     kernel (x quantized per block of 32, as llama.cpp does; any row count) when the weight
     is packed (``pack_for_kernel``), else through the dequantized weight."""
-    n, nb, block_bytes = weight.shape  # the lean path first: this runs ~120 times a token
+    n, nb, block_bytes = weight.shape
     fmt_id = _FORMAT_BY_BYTES.get(block_bytes)
     kernel = _kernel()
     dtype = x.dtype
