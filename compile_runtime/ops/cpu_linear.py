@@ -147,15 +147,17 @@ def pack_linear_weights(model: nn.Module) -> int:
     read when the forward is traced). Returns how many weights were packed.
     """
     count = 0
+    quantized = []
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "use_packed_weight") and is_quantized(weight):
-            pack_for_kernel(weight)  # in place: the int8 kernel's layout, same bytes
+            quantized.append(weight)
             module.use_packed_weight = True
         elif hasattr(module, "use_packed_weight") and can_pack(weight):
             pack_weight(weight)
             module.use_packed_weight = True
             count += 1
+    pack_for_kernel(quantized)  # in place: the int8 kernel's layout, same bytes
     logger.info("packed %d linear weights for oneDNN (CPU)", count)
     return count
 
@@ -166,13 +168,15 @@ def repack_linear_weights(model: nn.Module) -> None:
     Writes through ``param.data`` (as weight loaders do) do not move the version counter,
     so they cannot be detected: whoever writes weights that way must call this.
     """
+    quantized = []
     for module in model.modules():
         if not getattr(module, "use_packed_weight", False):
             continue
         if is_quantized(module.weight):
-            pack_for_kernel(module.weight)  # once: a packed weight is left as it is
+            quantized.append(module.weight)
         else:
             pack_weight(module.weight)
+    pack_for_kernel(quantized)  # once: a packed weight is left as it is
 
 
 def linear(

@@ -33,6 +33,7 @@ import functools
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from compile_runtime.ops.cpu_quant_formats import (
     Q4_0,
@@ -43,6 +44,7 @@ from compile_runtime.ops.cpu_quant_formats import (
     is_packed,
     pack_rows,
 )
+from compile_runtime.ops.hugepages import move_into_hugepages
 
 FORMAT_IDS = {Q8_0: 0, Q4_0: 1, Q4_1: 2}
 _FORMAT_BY_BYTES = {f.block_bytes: i for f, i in FORMAT_IDS.items()}
@@ -293,13 +295,16 @@ def kernel_available() -> bool:
     return _library() is not None
 
 
-def pack_for_kernel(weight: torch.Tensor) -> bool:
-    """Put a quantized weight in the kernel's layout (in place, once) when the kernel is
-    here; True if it now runs through the kernel."""
-    if kernel_available() and weight.is_contiguous():
-        pack_rows(weight)
-        return True
-    return False
+def pack_for_kernel(weights: list[nn.Parameter]) -> None:
+    """Put quantized weights in the kernel's layout (in place, once) when the kernel is
+    here, moved together into huge pages first (``hugepages.py``)."""
+    if not kernel_available():
+        return
+    fresh = [w for w in {id(w): w for w in weights}.values() if not is_packed(w)]
+    move_into_hugepages(fresh)
+    for w in fresh:
+        if w.is_contiguous():
+            pack_rows(w)
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
