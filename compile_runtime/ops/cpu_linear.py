@@ -41,6 +41,7 @@ from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
 from compile_runtime.ops.cpu_gemv import gemv_linear
 from compile_runtime.ops.cpu_quant_gemm import pack_for_kernel, quant_linear
+from compile_runtime.ops.hugepages import move_into_hugepages
 
 logger = logging.getLogger(__name__)
 
@@ -140,26 +141,36 @@ def pack_weight(weight: torch.Tensor) -> None:
     )
 
 
+def _pack_floats(weights: list[torch.Tensor]) -> None:
+    """Packed copies of float weights, the weights and their AMX copies in huge pages
+    (``hugepages.py``: the step streams them). The weights move first: their copies are
+    found by the weight's address."""
+    move_into_hugepages(weights)
+    for weight in weights:
+        pack_weight(weight)
+    move_into_hugepages([a for a in (_packed[w.data_ptr()].amx for w in weights) if a is not None])
+
+
 def pack_linear_weights(model: nn.Module) -> int:
     """Pack ``weight`` of every module that has a ``use_packed_weight`` flag; set the flag.
 
     Call after the weights are loaded and before the first forward (the flag is
     read when the forward is traced). Returns how many weights were packed.
     """
-    count = 0
-    quantized = []
+    quantized, floats = [], []
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "use_packed_weight") and is_quantized(weight):
             quantized.append(weight)
             module.use_packed_weight = True
         elif hasattr(module, "use_packed_weight") and can_pack(weight):
-            pack_weight(weight)
+            floats.append(weight)
             module.use_packed_weight = True
-            count += 1
+    floats = list({id(w): w for w in floats}.values())
+    _pack_floats(floats)
     pack_for_kernel(quantized)  # in place: the int8 kernel's layout, same bytes
-    logger.info("packed %d linear weights for oneDNN (CPU)", count)
-    return count
+    logger.info("packed %d linear weights for oneDNN (CPU)", len(floats))
+    return len(floats)
 
 
 def repack_linear_weights(model: nn.Module) -> None:
@@ -168,14 +179,12 @@ def repack_linear_weights(model: nn.Module) -> None:
     Writes through ``param.data`` (as weight loaders do) do not move the version counter,
     so they cannot be detected: whoever writes weights that way must call this.
     """
-    quantized = []
+    quantized, floats = [], []
     for module in model.modules():
         if not getattr(module, "use_packed_weight", False):
             continue
-        if is_quantized(module.weight):
-            quantized.append(module.weight)
-        else:
-            pack_weight(module.weight)
+        (quantized if is_quantized(module.weight) else floats).append(module.weight)
+    _pack_floats(list({id(w): w for w in floats}.values()))
     pack_for_kernel(quantized)  # once: a packed weight is left as it is
 
 
