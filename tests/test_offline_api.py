@@ -57,6 +57,25 @@ def test_outputs_are_shaped_as_vllms(llm):
     assert unasked.outputs[0].cumulative_logprob is None and unasked.outputs[0].logprobs is None
 
 
+def test_prompts_as_vllms_prompt_dicts(llm):
+    """vLLM's TokensPrompt / TextPrompt dicts, alone, in a list, mixed with plain ids."""
+    greedy = cr.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    dicts = llm.generate([{"prompt_token_ids": PROMPTS[0]}, PROMPTS[1]], greedy, use_tqdm=False)
+    assert [o.token_ids for o in dicts] == plain
+    assert dicts[0].prompt_token_ids == PROMPTS[0] and dicts[0].prompt is None
+    (one,) = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy, use_tqdm=False)
+    assert one.token_ids == plain[1]
+    if llm.tokenizer is not None:
+        (text,) = llm.generate({"prompt": "hello world"}, greedy, use_tqdm=False)
+        (same,) = llm.generate("hello world", greedy, use_tqdm=False)
+        assert text.prompt == "hello world" and text.token_ids == same.token_ids
+    with pytest.raises(ValueError, match="multi_modal_data"):
+        llm.generate({"prompt": "x", "multi_modal_data": {}}, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="not text, token ids or a prompt dict"):
+        llm.generate([[1, 2], [None]], greedy, use_tqdm=False)
+
+
 def test_n_samples_per_prompt_with_seeds_one_apart(llm):
     params = cr.SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)

@@ -184,20 +184,19 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str | dict | Sequence[int]] | Sequence[int],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
         progress: bool | None = None,
     ) -> list[RequestOutput]:
-        """Generate for each prompt (text or token ids); outputs in input order, each with
-        ``n`` samples in ``outputs``. ``progress`` is the old name of ``use_tqdm``."""
-        texts = [prompts] if isinstance(prompts, str) else None
-        if texts is None and prompts and isinstance(prompts[0], str):
-            texts = list(prompts)
-        token_lists = self._tokenize(prompts)
+        """Generate for each prompt: text, token ids, or vLLM's prompt dicts
+        (``{"prompt": text}``, ``{"prompt_token_ids": ids}``), one or a list; outputs in
+        input order, each with ``n`` samples in ``outputs``. ``progress`` is the old name
+        of ``use_tqdm``."""
+        texts, token_lists = self._tokenize(prompts)
         return self._run(
-            texts or [None] * len(token_lists),
+            texts,
             token_lists,
             sampling_params,
             use_tqdm if progress is None else progress,
@@ -322,19 +321,33 @@ class LLM:
             aborted_req_ids=aborted,
         )
 
-    def _tokenize(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str):
+    def _tokenize(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        """(text or None, token ids) of each prompt."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if prompts and isinstance(prompts[0], int):
-            prompts = [prompts]
-        out = []
+        texts: list[str | None] = []
+        ids: list[list[int]] = []
         for p in prompts:
-            if isinstance(p, str):
+            text, tokens = p, None
+            if isinstance(p, dict):
+                extra = set(p) - {"prompt", "prompt_token_ids"}
+                if extra or not p:
+                    raise ValueError(
+                        f"prompt dict keys {sorted(extra) or '(none)'} are not supported; "
+                        'give {"prompt": text} or {"prompt_token_ids": [ids]}'
+                    )
+                text, tokens = p.get("prompt"), p.get("prompt_token_ids")
+            if tokens is None and isinstance(text, str):
                 if self.tokenizer is None:
                     raise ValueError(
                         "text prompts need a tokenizer in the model directory; pass token ids"
                     )
-                out.append(self.tokenizer(p)["input_ids"])
-            else:
-                out.append([int(t) for t in p])
-        return out
+                tokens = self.tokenizer(text)["input_ids"]
+            elif tokens is None:  # a sequence of ids
+                tokens, text = text, None
+            try:
+                ids.append([int(t) for t in tokens])
+            except (TypeError, ValueError):
+                raise ValueError(f"prompt {p!r} is not text, token ids or a prompt dict") from None
+            texts.append(text if isinstance(text, str) else None)
+        return texts, ids
