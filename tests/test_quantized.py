@@ -143,6 +143,20 @@ def test_kernel_in_bf16_and_through_cpu_linear(fmt):
     )
 
 
+def test_a_quantized_lm_head_gives_float32_logits_from_bf16_hidden_states():
+    """bf16 logits tie greedy's top two often (8 mantissa bits); the kernel sums in float32."""
+    from compile_runtime.distributed.vocab import ParallelLMHead
+
+    head = ParallelLMHead(40, 64)
+    _, w = _weight(qf.Q8_0, 40, 64, packed=kernel_available())
+    head.weight = torch.nn.Parameter(w, requires_grad=False)
+    head.use_packed_weight = True
+    hidden = torch.randn(3, 64).bfloat16()
+    logits = head.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (3, 40)
+    torch.testing.assert_close(logits, quant_linear(hidden.float(), w, None), rtol=0, atol=0)
+
+
 def test_an_unpacked_weight_runs_through_its_dequantized_floats():
     _, w = _weight(qf.Q4_1, 7, 64)
     x = torch.randn(3, 64)

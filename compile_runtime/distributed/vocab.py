@@ -63,6 +63,10 @@ class ParallelLMHead(VocabParallelEmbedding):
     use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        if self.weight.dtype == torch.uint8:
+            # A quantized head's kernel sums in float32 whatever x is: float32 logits keep
+            # greedy's top two apart, where bf16's 8-bit mantissa often ties them.
+            hidden_states = hidden_states.float()
         logits = linear(hidden_states, self.weight, None, self.use_packed_weight)
         if self.world_size == 1:
             return logits
