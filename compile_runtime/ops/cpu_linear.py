@@ -141,14 +141,16 @@ def pack_weight(weight: torch.Tensor) -> None:
     )
 
 
-def _pack_floats(weights: list[torch.Tensor]) -> None:
-    """Packed copies of float weights, the weights and their AMX copies in huge pages
-    (``hugepages.py``: the step streams them). The weights move first: their copies are
-    found by the weight's address."""
+def _pack_floats(weights: list[torch.Tensor]) -> int:
+    """Packed copies of float weights (each once), the weights and their AMX copies in
+    huge pages (``hugepages.py``: the step streams them); returns how many. The weights
+    move first: their copies are found by the weight's address."""
+    weights = list({id(w): w for w in weights}.values())
     move_into_hugepages(weights)
     for weight in weights:
         pack_weight(weight)
     move_into_hugepages([a for a in (_packed[w.data_ptr()].amx for w in weights) if a is not None])
+    return len(weights)
 
 
 def pack_linear_weights(model: nn.Module) -> int:
@@ -166,11 +168,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         elif hasattr(module, "use_packed_weight") and can_pack(weight):
             floats.append(weight)
             module.use_packed_weight = True
-    floats = list({id(w): w for w in floats}.values())
-    _pack_floats(floats)
+    count = _pack_floats(floats)
     pack_for_kernel(quantized)  # in place: the int8 kernel's layout, same bytes
-    logger.info("packed %d linear weights for oneDNN (CPU)", len(floats))
-    return len(floats)
+    logger.info("packed %d linear weights for oneDNN (CPU)", count)
+    return count
 
 
 def repack_linear_weights(model: nn.Module) -> None:
@@ -184,7 +185,7 @@ def repack_linear_weights(model: nn.Module) -> None:
         if not getattr(module, "use_packed_weight", False):
             continue
         (quantized if is_quantized(module.weight) else floats).append(module.weight)
-    _pack_floats(list({id(w): w for w in floats}.values()))
+    _pack_floats(floats)
     pack_for_kernel(quantized)  # once: a packed weight is left as it is
 
 

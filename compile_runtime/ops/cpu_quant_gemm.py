@@ -349,14 +349,16 @@ def quant_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> t
     n, nb, block_bytes = weight.shape
     lib = _library()
     flat = ids.reshape(-1)
-    if lib is None or dtype not in _X_DTYPES or not is_packed(weight):
-        rows = weight.index_select(0, flat) if not is_packed(weight) else None
-        if rows is None:  # packed rows are spread over their group: dequantize them all
+    packed = is_packed(weight)
+    if lib is None or dtype not in _X_DTYPES or not packed:
+        if packed:  # a packed row is spread over its group: dequantize the table
             return dequantize(weight, dtype)[flat].view(*ids.shape, -1)
-        return dequantize(rows, dtype).view(*ids.shape, -1)
+        return dequantize(weight.index_select(0, flat), dtype).view(*ids.shape, -1)
     flat = flat.to(torch.int64).contiguous()
-    if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= n):
-        raise IndexError(f"token id out of range: the table has {n} rows")
+    if flat.numel():
+        low, high = torch.aminmax(flat)
+        if int(low) < 0 or int(high) >= n:
+            raise IndexError(f"token id out of range: the table has {n} rows")
     out = torch.empty(flat.numel(), nb * 32, dtype=dtype)
     lib.qrows(
         weight.data_ptr(), _FORMAT_BY_BYTES[block_bytes], n, nb * 32, flat.data_ptr(),
