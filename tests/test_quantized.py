@@ -108,7 +108,7 @@ def test_int8_quantization_of_floats_is_llama_cpps_q8_0():
     np.testing.assert_array_equal(qf.dequantize(qf.quantize_q8_0(w)).numpy(), ref.reshape(6, 96))
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI or AVX2, and a C compiler")
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
 @pytest.mark.parametrize("k", [32, 544, 576])
 @pytest.mark.parametrize("n", [1, 7, 33])  # groups of 16 rows and fewer
@@ -130,7 +130,7 @@ def test_kernel_matches_dequantized_matmul(fmt, k, n, rows):
     assert (np.abs(y - plain) <= bound).all()
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI or AVX2, and a C compiler")
 @pytest.mark.parametrize("fmt", list(TYPES), ids=lambda f: f.name)
 def test_kernel_in_bf16_and_through_cpu_linear(fmt):
     blocks, w = _weight(fmt, 9, 576, packed=True)
@@ -243,7 +243,7 @@ def _greedy(path: str, quantization: str, n: int = 16, **options) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI or AVX2, and a C compiler")
 @pytest.mark.parametrize("which", ["q4_1", "q8_0"])
 def test_real_model_greedy_tokens_equal_the_dequantized_run(which, q4_1_file):
     path = q4_1_file if which == "q4_1" else Q8_FILE
@@ -276,7 +276,7 @@ def _tiny_tokens(model_dir: str, backend: str, quantization: str) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
-@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI or AVX2, and a C compiler")
 def test_int8_runs_in_eager_and_inductor_pieces(model_dirs):
     model_dir = model_dirs("llama", tie_word_embeddings=True)
     eager = _tiny_tokens(model_dir, "eager", "int8")
@@ -329,7 +329,7 @@ def test_gguf_blocks_shard_by_rows_and_whole_blocks_of_inputs(q4_1_file):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI and a C compiler")
+@pytest.mark.skipif(not kernel_available(), reason="needs AVX512-VNNI or AVX2, and a C compiler")
 def test_int8_tensor_parallel_matches_one_rank(model_dirs):
     import compile_runtime as cr
 

@@ -36,7 +36,7 @@ PRELUDE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
