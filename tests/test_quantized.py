@@ -314,6 +314,19 @@ def test_quantization_option_errors(model_dirs):
     assert resolve_quantization("int8", model_dir, torch.device("cuda"), True) == "none"
 
 
+def test_a_cpu_without_the_kernel_dequantizes_at_load(model_dirs, q4_1_file, monkeypatch, caplog):
+    """Not through the dequantized weight at every call (~50x slower): once, at load."""
+    from compile_runtime.models import registry
+    from compile_runtime.models.gguf import gguf_model_dir
+
+    monkeypatch.setattr(registry, "quant_kernel_available", lambda: False)
+    cpu = torch.device("cpu")
+    with caplog.at_level("WARNING", logger=registry.__name__):
+        assert registry.resolve_quantization("auto", gguf_model_dir(q4_1_file), cpu, True) == "none"
+        assert registry.resolve_quantization("int8", model_dirs("llama"), cpu, True) == "none"
+    assert caplog.text.count("no quantized kernel") == 2
+
+
 def test_gguf_blocks_shard_by_rows_and_whole_blocks_of_inputs(q4_1_file):
     from compile_runtime.models.gguf import GGUFError, gguf_tensors
 

@@ -24,6 +24,7 @@ from compile_runtime.models.llama import ARCHITECTURES, CausalLM
 from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
+from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,14 @@ def resolve_quantization(
             "models on a CPU; this is %s)",
             quantization,
             device.type if device.type != "cpu" else "the transformers adapter",
+        )
+        quantization = "none"
+    if quantization != "none" and not quant_kernel_available():
+        logger.warning(
+            "quantization=%s: weights dequantized at load: this CPU has no quantized kernel "
+            "(it needs AVX2 or AVX512-VNNI, and a C compiler); through dequantized weights at "
+            "every call the model would run ~50x slower",
+            quantization,
         )
         quantization = "none"
     return quantization
