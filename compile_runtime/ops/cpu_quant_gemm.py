@@ -21,9 +21,13 @@ Up to 4 rows of x are quantized before the parallel region (one barrier less).
 Measured in a decode step's order of SmolLM2-135M's 121 linears (30 distinct layers,
 weights streamed from memory, 2 threads): Q8_0 7.4-8.1 ms a token against 8.5-8.7 ms
 for the per-row kernel, Q4_1 3.9-5.1 against 5.6-5.8 ms. ``qrows`` dequantizes rows of
-a packed table (the tied embedding). Needs AVX512-VNNI and a C compiler; else, or for
-a weight that is not packed, ``quant_linear`` computes through the dequantized weight
-(correct, slow).
+a packed table (the tied embedding).
+
+On a CPU with AVX2 but not AVX512-VNNI (AMD Zen 3, Intel before Ice Lake) the same
+layout is read 8 rows a register with ``vpmaddubsw`` and ``vpmaddwd`` (the C source
+says why the sums stay exact). Without either, or without a C compiler, the loader
+dequantizes the weights once (``models/registry.py``); a weight that is not packed
+still runs here, through its dequantized floats (correct, slow).
 """
 
 from __future__ import annotations
