@@ -141,6 +141,40 @@ static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, i
 
 DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
 int gemv_has_f32(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same tile with 8-float vectors (AMD Zen, Intel before AVX-512). */
+static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m256 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t tail = K % 8;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            const __m256 wv = _mm256_loadu_ps(w0 + r * K + k);
+            for (int i = 0; i < MR; i++)
+                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * x_stride + k), wv, acc[i * ROWS + r]);
+        }
+    }
+    if (tail) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)tail),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 wv = _mm256_maskload_ps(w0 + r * K + k, m);
+            for (int i = 0; i < MR; i++)
+                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + i * x_stride + k, m), wv, acc[i * ROWS + r]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {  /* the four rows' sums of x row i, by horizontal adds */
+        const __m256* a = acc + i * ROWS;
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_storeu_ps(res + i * ROWS, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+}
+
+DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
+int gemv_has_f32(void) { return 1; }
 #else
 int gemv_has_f32(void) { return 0; }
 #endif
