@@ -55,6 +55,14 @@ class VLLMSide:
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def cpu_has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " amx_tile" in line for line in f)
+    except OSError:
+        return False
+
+
 class LlamaCppSide:
     """llama-cpp-python: one sequence at a time (its Python API runs one), greedy sampler."""
 
@@ -65,13 +73,16 @@ class LlamaCppSide:
         default_params = low.llama_model_default_params
 
         def model_params():
-            # The CPU backend's weight-repack (AMX) buffers segfault here for Q8_0 and Q4_1:
-            # load every file without them.
+            # On a CPU with AMX the backend's weight-repack (AMX) buffers segfault for Q8_0
+            # and Q4_1 (seen on a Sapphire Rapids Xeon): there, every file loads without
+            # them. Elsewhere llama.cpp runs as its users run it, repacking included.
             params = default_params()
             params.use_extra_bufts = False
             return params
 
-        low.llama_model_default_params = model_params
+        self.repack = not cpu_has_amx()
+        if not self.repack:
+            low.llama_model_default_params = model_params
         threads = os.cpu_count() or 2
         kwargs = {
             "n_ctx": 512,
@@ -82,7 +93,11 @@ class LlamaCppSide:
             "verbose": False,
         }
         self.llm = llama_cpp.Llama(model_path=model, **{**kwargs, **options})
-        self.info = {"llama_cpp_python": llama_cpp.__version__, "threads": threads}
+        self.info = {
+            "llama_cpp_python": llama_cpp.__version__,
+            "threads": threads,
+            "weight_repack": self.repack,
+        }
 
     def run(self, requests: Requests) -> list[list[int]]:
         out = []

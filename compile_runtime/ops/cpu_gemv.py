@@ -11,8 +11,9 @@ products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
 at one row took 10.4 ms in bf16 (oneDNN 14.5) and 19.9 ms in float32 (oneDNN
 25.0, MKL 20.8). With more rows the weight is reused and the GEMV becomes bound by
 its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. Built by
-``ops/c_library.py``; a CPU without AVX-512 (or AVX512-BF16, for bf16) or without a
-C compiler keeps the oneDNN path.
+``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD Zen 3) runs the float32 tile
+with 8-float vectors; without AVX512-BF16, bf16 keeps the oneDNN path, as does every
+dtype without a C compiler.
 """
 
 from __future__ import annotations
