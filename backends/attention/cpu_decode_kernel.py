@@ -76,6 +76,32 @@ static inline void qk_f32(const float* k, int64_t row, int c, const float* q, in
     }
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << c) - 1), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scale)));
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Element i of the result: the sum of the 8 elements of v[i] (three rounds of hadd). */
+static inline __m256 sum8(const __m256* v) {
+    const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+/* The AVX-512 version's scheme with 8-float vectors: 8 keys a reduction. */
+static inline void qk_f32(const float* k, int64_t row, int c, const float* q, int64_t D,
+                          float scale, float* out) {
+    if (D % 8 != 0 || D > 256) { qk_plain_f32(k, row, c, q, D, scale, out); return; }
+    for (int j0 = 0; j0 < c; j0 += 8) {
+        const int m = c - j0 < 8 ? c - j0 : 8;
+        __m256 acc[8];
+        for (int j = 0; j < 8; j++) {
+            acc[j] = _mm256_setzero_ps();
+            if (j >= m) continue;
+            for (int64_t d = 0; d < D; d += 8)
+                acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k + (j0 + j) * row + d), acc[j]);
+        }
+        float s[8];
+        _mm256_storeu_ps(s, _mm256_mul_ps(sum8(acc), _mm256_set1_ps(scale)));
+        memcpy(out + j0, s, sizeof(float) * m);
+    }
+}
 #else
 #define qk_f32 qk_plain_f32
 #endif
@@ -138,6 +164,57 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
         for (t = 0; t < n; t += 16) {
             const __mmask16 k = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1);
             _mm512_mask_storeu_ps(r + t, k, _mm512_mul_ps(_mm512_maskz_loadu_ps(k, r + t), inv));
+        }
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The AVX-512 exp with 8-float vectors; 2^n is built in the exponent bits (n >= -126 after
+ * the clamp, so it never goes subnormal). */
+static inline __m256 exp_nonpositive(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+static void softmax_rows(float* s, int64_t G, int64_t n) {
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int64_t g = 0; g < G; g++) {
+        float* r = s + g * n;
+        __m256 vm = _mm256_set1_ps(-INFINITY);
+        int64_t t = 0;
+        for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(r + t));
+        float lane[8];
+        _mm256_storeu_ps(lane, vm);
+        float m = lane[0];
+        for (int i = 1; i < 8; i++) m = lane[i] > m ? lane[i] : m;
+        for (; t < n; t++) m = r[t] > m ? r[t] : m;
+        const __m256 vmax = _mm256_set1_ps(m);
+        __m256 vsum = _mm256_setzero_ps();
+        for (t = 0; t < n; t += 8) {
+            const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t < 8 ? n - t : 8)), lanes);
+            const __m256 e = _mm256_and_ps(exp_nonpositive(_mm256_sub_ps(_mm256_maskload_ps(r + t, k), vmax)),
+                                           _mm256_castsi256_ps(k));
+            _mm256_maskstore_ps(r + t, k, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        _mm256_storeu_ps(lane, vsum);
+        float sum = 0.f;
+        for (int i = 0; i < 8; i++) sum += lane[i];
+        const __m256 inv = _mm256_set1_ps(1.f / sum);
+        for (t = 0; t < n; t += 8) {
+            const __m256i k = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(n - t < 8 ? n - t : 8)), lanes);
+            _mm256_maskstore_ps(r + t, k, _mm256_mul_ps(_mm256_maskload_ps(r + t, k), inv));
         }
     }
 }
