@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 import types
+from collections import Counter
 
 import torch
 from compile_runtime.backends.attention import cpu_batched
@@ -52,7 +53,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, object, tuple]] = []
         self.tensors: list[torch.Tensor] = []
-        self.other_ops: dict[str, int] = {}
+        self.other_ops: Counter[str] = Counter()
         self.context = None  # the step's forward context: its metadata's pointers stay valid
 
     def inductor(self, builtin):
@@ -92,8 +93,7 @@ class _ListOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        name = str(func)
-        self.recorder.other_ops[name] = self.recorder.other_ops.get(name, 0) + 1
+        self.recorder.other_ops[str(func)] += 1
         if isinstance(out, torch.Tensor):
             self.recorder.tensors.append(out)  # custom ops' outputs, read by later calls
         return out
@@ -189,21 +189,19 @@ def main() -> None:
         recorder.replay()  # the recorded step: rewrites its own cache slot
         replay_s.append(time.perf_counter() - start)
 
-    kinds: dict[str, int] = {}
-    for kind, _, _ in recorder.calls:
-        kinds[kind] = kinds.get(kind, 0) + 1
+    kinds = dict(Counter(kind for kind, _, _ in recorder.calls))
     result = {
         "file": os.path.basename(args.file),
         "dtype": args.dtype,
         "c_calls": kinds,
-        "other_ops": recorder.other_ops,
+        "other_ops": dict(recorder.other_ops),
         "zeroed_buffers": found["zeroed"],
         "replay_equals_forward": found["equal"],
         "forward_ms_median": 1e3 * statistics.median(found["forward_s"]),
         "replay_ms_median": 1e3 * statistics.median(replay_s),
         "decode_steps_timed": len(found["forward_s"]),
     }
-    print(f"C calls of one decode step: {kinds}; other ops: {recorder.other_ops}")
+    print(f"C calls of one decode step: {kinds}; other ops: {dict(recorder.other_ops)}")
     print(
         f"replayed with {found['zeroed']} intermediate buffers zeroed first: "
         f"{'equal to' if found['equal'] else 'DIFFERENT from'} the real forward's output"
@@ -220,7 +218,7 @@ def main() -> None:
                     f"{1 - result['replay_ms_median'] / result['forward_ms_median']:.0%}",
                 ]
             ],
-        )  # fmt: skip
+        )
     )
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
