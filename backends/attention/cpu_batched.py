@@ -65,6 +65,8 @@ class GroupPlan:
     # Each request's first query token and query length (host arrays).
     query_starts: np.ndarray | None = None
     query_lens: np.ndarray | None = None
+    # Each request's index in the step (int64), for the C kernel; None: request i is i.
+    req_index: torch.Tensor | None = None
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _kv_rows: dict[int, torch.Tensor] = field(default_factory=dict)
 
@@ -148,6 +150,7 @@ def _plan_group(
         out_tokens=slice(first, first + count) if contiguous else torch.from_numpy(real_tokens),
         query_starts=starts,
         query_lens=q_lens,
+        req_index=torch.from_numpy(req_idx.astype(np.int64)),
     )
 
 
@@ -164,6 +167,8 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
             "max_block_id": int(rows.max()) if rows.size else 0,
             "max_slot": int(slots.max()) if len(slots) else -1,
         }
+        if self.num_cache_blocks is not None:  # before a replay too, which no layer checks
+            _check_bounds(bounds, self.num_cache_blocks, self.block_size)
         if metadata.uniform_decode:  # the common step: request i decodes token i
             decode = self._decode_plan(seq_lens, table)
             metadata.backend_state = BatchedPlan(decode, None, **bounds)
@@ -193,6 +198,21 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
             query_pos=(seq_lens - 1)[:, None],
             query_tokens=torch.arange(n),
             out_tokens=slice(0, n),
+        )
+
+
+def _check_bounds(bounds: dict, num_blocks: int, block_size: int) -> None:
+    """The step's block ids and slots lie inside a cache of ``num_blocks`` blocks: the C
+    kernel (and a CPU graph replaying it) reads and writes raw memory."""
+    if (
+        bounds["min_block_id"] < 0
+        or bounds["max_block_id"] >= num_blocks
+        or bounds["max_slot"] >= num_blocks * block_size
+    ):
+        raise MetadataError(
+            f"the step addresses blocks {bounds['min_block_id']}..{bounds['max_block_id']} and "
+            f"slots up to {bounds['max_slot']} in blocks of {block_size}, but the KV cache has "
+            f"{num_blocks} blocks; the block table or slot mapping does not belong to this cache"
         )
 
 
@@ -232,6 +252,11 @@ class CPUBatchedImpl(AttentionImpl):
     # group's attention (one pass instead of two); without it, write_kv_cache writes them.
     compute_writes_cache = True
 
+    def __init__(self, spec) -> None:
+        super().__init__(spec)
+        # The kernel's float arguments, by pointer: scale and soft cap.
+        self._params = torch.tensor([spec.scale, spec.logits_soft_cap or 0.0], dtype=torch.float32)
+
     def compute(
         self,
         query: torch.Tensor,
@@ -250,6 +275,10 @@ class CPUBatchedImpl(AttentionImpl):
         step = None if kernel is None else self._step_args(plan, kv_cache, metadata, key.shape[0])
         if step is not None:
             self._decode_kernel(kernel, query, key, value, kv_cache, step, output)
+            if metadata.uniform_decode and plan.prefill is None:
+                # Every (padded) request's row is written, padded ones with zeros: no rows
+                # left for forward() to zero, so a CPU graph records one call per layer.
+                return min(step[-1], output.shape[0])
         else:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
             if plan.decode is not None:
@@ -269,46 +298,46 @@ class CPUBatchedImpl(AttentionImpl):
         args = plan.kernel_step_args.get(key)
         if args is not None:
             return args
-        if (
-            plan.min_block_id < 0
-            or plan.max_block_id >= num_blocks
-            or plan.max_slot >= num_blocks * block_size
-            or block_size != metadata.block_size
-        ):
+        if block_size != metadata.block_size:
             raise MetadataError(
-                f"the step addresses blocks {plan.min_block_id}..{plan.max_block_id} and slots "
-                f"up to {plan.max_slot} in blocks of {metadata.block_size}, but the KV cache has "
-                f"{num_blocks} blocks of {block_size}; the block table or slot mapping does not "
-                "belong to this cache"
+                f"the step's blocks hold {metadata.block_size} tokens, the KV cache's "
+                f"{block_size}; the metadata does not belong to this cache"
             )
-        slots, group = metadata.slot_mapping, plan.decode
+        bounds = {k: getattr(plan, k) for k in ("min_block_id", "max_block_id", "max_slot")}
+        _check_bounds(bounds, num_blocks, block_size)
+        slots, group, table = metadata.slot_mapping, plan.decode, metadata.block_table
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
+        uniform = metadata.uniform_decode and plan.prefill is None
+        # A uniform decode reads the builder's persistent buffers, every padded request
+        # included (fixed addresses and counts: what a CPU graph replays); a mixed step
+        # names its decode requests and their query rows.
+        reqs = None if uniform else group.req_index.data_ptr()
+        tokens = None if uniform else group.query_tokens.data_ptr()
+        num_reqs = metadata.num_reqs_padded if uniform else group.num_reqs
         args = (
             slots.data_ptr(), min(num_tokens, slots.shape[0]),
-            group.block_ids.data_ptr(), group.num_blocks,
-            group.seq_lens.data_ptr(), group.query_tokens.data_ptr(), group.num_reqs,
+            table.data_ptr(), table.stride(0), metadata.seq_lens.data_ptr(), reqs, tokens,
+            num_reqs,
         )  # fmt: skip
         plan.kernel_step_args[key] = args
         return args
 
     def _decode_kernel(self, kernel, query, key, value, kv_cache, step, output) -> None:
         """Cache writes of the whole step and the decode group's attention in one C call."""
-        slots, num_new, block_ids, num_blocks, seq_lens, query_tokens, num_reqs = step
+        slots, num_new, table, table_stride, seq_lens, reqs, tokens, num_reqs = step
         spec = self.spec
         keys = kv_cache.data_ptr()
         values = keys + kv_cache.stride(0) * kv_cache.element_size()
-        decode = (
-            kernel.paged_decode_f32 if query.dtype == torch.float32 else kernel.paged_decode_bf16
-        )
+        decode = kernel["f32" if query.dtype == torch.float32 else "bf16"]
         decode(
             query.data_ptr(), query.stride(0),
             key.data_ptr(), key.stride(0),
             value.data_ptr(), value.stride(0),
-            slots, num_new, keys, values, block_ids, num_blocks, seq_lens, query_tokens,
+            slots, num_new, keys, values, table, table_stride, seq_lens, reqs, tokens,
             output.data_ptr(), output.stride(0),
             num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
-            kv_cache.shape[2], spec.scale, spec.logits_soft_cap or 0.0, spec.sliding_window or 0,
+            kv_cache.shape[2], self._params.data_ptr(), spec.sliding_window or 0,
             torch.get_num_threads(),
         )  # fmt: skip
 

@@ -35,6 +35,7 @@ import ctypes
 import functools
 
 from compile_runtime.ops.c_library import load_c_library
+from compile_runtime.ops.native_function import NativeFunction
 
 SOURCE = r"""
 /* Scores of up to 16 consecutive keys of one block (key j at k + j * row) against one
@@ -282,13 +283,17 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
     }
 
 /*
- * query  [tokens, H, D] with row stride q_stride; request b's query is row tokens[b].
- * caches [num_blocks, bs, KVH, D] contiguous; block_ids [B, nb]; seq_lens [B].
+ * query  [tokens, H, D] with row stride q_stride; request b's query is row tokens[b]
+ *        (tokens NULL: row b).
+ * caches [num_blocks, bs, KVH, D] contiguous. Request b of the group is request reqs[b] of
+ * the step (reqs NULL: b): its seq_lens[r] keys lie in the blocks of row r of block_table
+ * (int32, rows bt_stride apart). A request of length 0 (a padded one) gets zeros.
  * out    [tokens, H, D] with row stride out_stride.
- * Query head h attends with KV head h / (H / KVH). softcap > 0: scaled scores
- * become softcap * tanh(score / softcap) (Gemma 2). window > 0: only the last
- * `window` keys are visible. num_threads: torch's count, passed in so that an OpenMP
- * runtime other than torch's would still use it. Requests differ in length, so
+ * params [2]: scale, softcap (a pointer, so that every argument is an integer or a pointer
+ * and a CPU graph can replay the call). Query head h attends with KV head h / (H / KVH).
+ * softcap > 0: scaled scores become softcap * tanh(score / softcap) (Gemma 2). window > 0:
+ * only the last `window` keys are visible. num_threads: torch's count, passed in so that an
+ * OpenMP runtime other than torch's would still use it. Requests differ in length, so
  * (request, KV head) pairs are handed out dynamically, four at a time when there are
  * plenty (one at a time otherwise: at batch 1 a chunk of four was all three of
  * SmolLM2's pairs, on one thread).
@@ -298,11 +303,13 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
 #define DEFINE_PAGED_DECODE(NAME)                                                            \
 void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,               \
           const T* value, int64_t value_stride, const int64_t* slots,                       \
-          int64_t num_new_tokens, T* k_cache, T* v_cache, const int64_t* block_ids,         \
-          int64_t nb, const int64_t* seq_lens, const int64_t* tokens, T* out,               \
-          int64_t out_stride, int64_t B, int64_t H, int64_t KVH, int64_t D, int64_t bs,     \
-          float scale, float softcap, int64_t window, int64_t num_threads) {                \
+          int64_t num_new_tokens, T* k_cache, T* v_cache, const int32_t* block_table,       \
+          int64_t bt_stride, const int32_t* seq_lens, const int64_t* reqs,                  \
+          const int64_t* tokens, T* out, int64_t out_stride, int64_t B, int64_t H,          \
+          int64_t KVH, int64_t D, int64_t bs, const float* params, int64_t window,          \
+          int64_t num_threads) {                                                            \
     const int64_t G = H / KVH, row = KVH * D;                                                \
+    const float scale = params[0], softcap = params[1];                                      \
     for (int64_t t = 0; t < num_new_tokens; t++) { /* the step's keys/values; slot < 0:   \
                                                       the null block */                     \
         const int64_t s = slots[t] < 0 ? 0 : slots[t];                                       \
@@ -313,13 +320,19 @@ void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,   
     _Pragma("omp parallel for collapse(2) schedule(dynamic, chunk) num_threads(num_threads)") \
     for (int64_t b = 0; b < B; b++) {                                                        \
         for (int64_t kh = 0; kh < KVH; kh++) {                                               \
-            const int64_t S = seq_lens[b];                                                   \
+            const int64_t r = reqs ? reqs[b] : b;                                            \
+            const int64_t S = seq_lens[r];                                                   \
             const int64_t lo = (window > 0 && S > window) ? S - window : 0;                  \
             const int64_t n = S - lo;                                                        \
+            const int64_t tok = tokens ? tokens[b] : b;                                      \
+            const T* q = query + tok * q_stride + kh * G * D;                                \
+            T* o = out + tok * out_stride + kh * G * D;                                      \
+            if (n <= 0) {                                                                    \
+                for (int64_t i = 0; i < G * D; i++) o[i] = NARROW(0.f);                      \
+                continue;                                                                    \
+            }                                                                                \
             float* scores = (float*)malloc(sizeof(float) * G * n);                           \
-            const T* q = query + tokens[b] * q_stride + kh * G * D;                          \
-            T* o = out + tokens[b] * out_stride + kh * G * D;                                \
-            const int64_t* blocks = block_ids + b * nb;                                      \
+            const int32_t* blocks = block_table + r * bt_stride;                             \
             if (D == 64 && G == 1) ATTEND_ONE(1, 64, WIDEN_T)                                \
             else if (D == 64 && G == 2) ATTEND_ONE(2, 64, WIDEN_T)                           \
             else if (D == 64 && G == 3) ATTEND_ONE(3, 64, WIDEN_T)                           \
@@ -356,14 +369,13 @@ DEFINE_PAGED_DECODE(paged_decode_bf16)
 
 
 @functools.cache
-def load_decode_kernel() -> ctypes.CDLL | None:
-    """The compiled kernel library, or None (with one warning) if it cannot be built here."""
+def load_decode_kernel() -> dict[str, NativeFunction] | None:
+    """The compiled kernels by element type ("f32", "bf16"), or None (with one warning) if
+    they cannot be built here."""
     lib = load_c_library("paged_decode", SOURCE, "CPU decode attention")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.paged_decode_f32, lib.paged_decode_bf16):
-        fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
-        fn.argtypes += [i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_float, i64, i64]
-        fn.restype = None
-    return lib
+    argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr]
+    argtypes += [i64, i64, i64, i64, i64, i64, ptr, i64, i64]
+    return {name: NativeFunction(lib, f"paged_decode_{name}", argtypes) for name in ("f32", "bf16")}

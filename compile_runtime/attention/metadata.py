@@ -92,6 +92,9 @@ class AttentionMetadataBuilder:
         self._query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         self._block_table: torch.Tensor | None = None  # [max_num_reqs, max_blocks], lazily
+        # Blocks of the KV cache the steps address, once it is bound (the runner sets it):
+        # a builder whose kernels read raw memory checks every step's block ids against it.
+        self.num_cache_blocks: int | None = None
 
     def build(
         self,

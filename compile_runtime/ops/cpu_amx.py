@@ -22,6 +22,8 @@ import functools
 
 import torch
 
+from compile_runtime.ops.native_function import NativeFunction
+
 SOURCE = r"""
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
@@ -159,9 +161,14 @@ def _library() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.amx_pack_bf16.argtypes = [ptr, ptr, i64, i64]
     lib.amx_pack_bf16.restype = None
-    lib.amx_linear_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.amx_linear_bf16.restype = None
     return lib
+
+
+@functools.cache
+def _linear_kernel() -> NativeFunction:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+    return NativeFunction(_library(), "amx_linear_bf16", argtypes)
 
 
 def amx_available() -> bool:
@@ -205,7 +212,7 @@ def amx_linear(
         return None
     flat = x if x.dim() == 2 else x.reshape(rows, k)
     out = torch.empty(rows, n, dtype=x.dtype)
-    _library().amx_linear_bf16(
+    _linear_kernel()(
         flat.data_ptr(), flat.stride(0), packed.data_ptr(),
         None if bias is None else bias.data_ptr(),
         out.data_ptr(), n, rows, n, k, torch.get_num_threads(),

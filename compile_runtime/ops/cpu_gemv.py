@@ -23,6 +23,8 @@ import functools
 
 import torch
 
+from compile_runtime.ops.native_function import NativeFunction
+
 SOURCE = r"""
 #define ROWS 4         /* weight rows per tile: four streams from memory */
 #define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
@@ -201,10 +203,8 @@ def _library() -> tuple[ctypes.CDLL | None, dict[torch.dtype, object]]:
     kernels = {}
     for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
         if getattr(lib, f"gemv_has_{name}")():
-            fn = getattr(lib, f"gemv_{name}")
-            fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-            fn.restype = None
-            kernels[dtype] = fn
+            argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+            kernels[dtype] = NativeFunction(lib, f"gemv_{name}", argtypes)
     return lib, kernels
 
 

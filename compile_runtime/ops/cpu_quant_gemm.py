@@ -51,6 +51,7 @@ from compile_runtime.ops.cpu_quant_formats import (
 from compile_runtime.ops.cpu_quant_kernel_avx2 import SOURCE as AVX2_SOURCE
 from compile_runtime.ops.cpu_quant_kernel_avx512 import SOURCE as AVX512_SOURCE
 from compile_runtime.ops.hugepages import move_into_hugepages
+from compile_runtime.ops.native_function import NativeFunction
 
 FORMAT_IDS = {Q8_0: 0, Q4_0: 1, Q4_1: 2}
 _FORMAT_BY_BYTES = {f.block_bytes: i for f, i in FORMAT_IDS.items()}
@@ -65,10 +66,14 @@ SOURCE = (
     + r"""
 #if defined(QGEMM_ISA)
 /* Rows ids[0..n) of a packed quantized table w [N, K / 32 blocks], dequantized: out [n, K]
- * (bf16 or f32), each value d * q (Q4_1: d * q + m) in float32 as dequantize computes it. */
-void qrows(const uint8_t* w, int fmt, int64_t N, int64_t K, const int64_t* ids, int64_t n,
-           void* out, int bf16) {
+ * (bf16 or f32), each value d * q (Q4_1: d * q + m) in float32 as dequantize computes it.
+ * Returns how many ids are outside [0, N); then nothing is written. */
+int64_t qrows(const uint8_t* w, int fmt, int64_t N, int64_t K, const int64_t* ids, int64_t n,
+              void* out, int bf16) {
     const int64_t nb = K / 32, bb = BLOCK_BYTES[fmt], sb = fmt == Q41 ? 4 : 2;
+    int64_t bad = 0;
+    for (int64_t t = 0; t < n; t++) bad += ids[t] < 0 || ids[t] >= N;
+    if (bad) return bad;
     for (int64_t t = 0; t < n; t++) {
         const int64_t row = ids[t], n0 = row / 16 * 16, l = row - n0;
         const int64_t r = N - n0 < 16 ? N - n0 : 16;
@@ -97,6 +102,7 @@ void qrows(const uint8_t* w, int fmt, int64_t N, int64_t K, const int64_t* ids, 
             }
         }
     }
+    return 0;
 }
 int qgemm_available(void) { return QGEMM_ISA; }
 #else
@@ -108,24 +114,31 @@ int qgemm_available(void) { return 0; }
 
 @functools.cache
 def _library():
-    """The built library (``qgemm``, ``qrows``), or None (no compiler, no AVX512-VNNI)."""
+    """The built library, or None (no compiler, no AVX512-VNNI or AVX2)."""
     from compile_runtime.ops.c_library import load_c_library
 
     lib = load_c_library("qgemm", SOURCE, "quantized CPU linear layers")
     if lib is None or not lib.qgemm_available():
         return None
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    lib.qgemm.argtypes = [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64]
-    lib.qgemm.restype = None
-    lib.qrows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr, i32]
-    lib.qrows.restype = None
     return lib
 
 
 @functools.cache
-def _kernel():
+def _kernel() -> NativeFunction | None:
     lib = _library()
-    return None if lib is None else lib.qgemm
+    if lib is None:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    return NativeFunction(lib, "qgemm", [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64])
+
+
+@functools.cache
+def _rows_kernel() -> NativeFunction | None:
+    lib = _library()
+    if lib is None:
+        return None
+    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    return NativeFunction(lib, "qrows", [ptr, i32, i64, i64, ptr, i64, ptr, i32], i64)
 
 
 def kernel_available() -> bool:
@@ -184,21 +197,19 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def quant_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Rows ``ids`` (any shape) of a quantized table, dequantized to ``dtype``: [*ids, K]."""
     n, nb, block_bytes = weight.shape
-    lib = _library()
+    rows = _rows_kernel()
     flat = ids.reshape(-1)
     packed = is_packed(weight)
-    if lib is None or dtype not in _X_DTYPES or not packed:
+    if rows is None or dtype not in _X_DTYPES or not packed:
         if packed:  # a packed row is spread over its group: dequantize the table
             return dequantize(weight, dtype)[flat].view(*ids.shape, -1)
         return dequantize(weight.index_select(0, flat), dtype).view(*ids.shape, -1)
     flat = flat.to(torch.int64).contiguous()
-    if flat.numel():
-        low, high = torch.aminmax(flat)
-        if int(low) < 0 or int(high) >= n:
-            raise IndexError(f"token id out of range: the table has {n} rows")
     out = torch.empty(flat.numel(), nb * 32, dtype=dtype)
-    lib.qrows(
+    bad = rows(
         weight.data_ptr(), _FORMAT_BY_BYTES[block_bytes], n, nb * 32, flat.data_ptr(),
         flat.numel(), out.data_ptr(), _X_DTYPES[dtype],
     )  # fmt: skip
+    if bad:  # checked in C, before any row is written: no host sync on the ids
+        raise IndexError(f"{bad} token id(s) out of range: the table has {n} rows")
     return out.view(*ids.shape, -1)
