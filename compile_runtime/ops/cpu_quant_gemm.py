@@ -129,7 +129,9 @@ def _kernel() -> NativeFunction | None:
     if lib is None:
         return None
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return NativeFunction(lib, "qgemm", [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64])
+    return NativeFunction(
+        lib, "qgemm", [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64]
+    )
 
 
 @functools.cache
