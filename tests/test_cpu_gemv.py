@@ -53,7 +53,10 @@ def test_gemv_declines_what_it_was_not_written_for():
     a float16 weight, an empty row."""
     _needs(torch.float32)
     weight = torch.randn(16, 32)
-    assert cpu_gemv.gemv_linear(torch.randn(cpu_gemv.MAX_ROWS[torch.float32] + 1, 32), weight, None) is None
+    assert (
+        cpu_gemv.gemv_linear(torch.randn(cpu_gemv.MAX_ROWS[torch.float32] + 1, 32), weight, None)
+        is None
+    )
     assert cpu_gemv.gemv_linear(torch.randn(1, 32, dtype=torch.bfloat16), weight, None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 16), torch.randn(32, 16).t(), None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 32).half(), weight.half(), None) is None
@@ -86,7 +89,7 @@ def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeyp
 
 
 def test_without_a_compiler_there_is_no_gemv_and_linear_still_works(monkeypatch, tmp_path):
-    cpu_gemv._library.cache_clear()
+    cpu_gemv._kernels.cache_clear()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("COMPILE_RUNTIME_CACHE_DIR", str(tmp_path))
     try:
@@ -96,5 +99,5 @@ def test_without_a_compiler_there_is_no_gemv_and_linear_still_works(monkeypatch,
         out = torch.ops.compile_runtime.cpu_linear(x, weight, None)
         assert (out - F.linear(x, weight)).abs().max() < 1e-5
     finally:
-        cpu_gemv._library.cache_clear()
+        cpu_gemv._kernels.cache_clear()
     assert not any((tmp_path / ".cpu_kernels").glob("*.so"))

@@ -12,7 +12,8 @@ included: the passes replace a pattern only by an op of identical semantics.
                                                           # in place on query and key
 
 CPU linear layers: ``cpu_linear`` (which kernel for the row count and the weight),
-``cpu_gemv`` and ``cpu_amx`` (C kernels for float weights), ``c_library`` (builds them);
+``cpu_gemv`` and ``cpu_amx`` (C kernels for float weights), ``c_library`` (builds them
+from ``csrc/``, typed by ``c_header`` from their headers);
 quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1 blocks in the kernels'
 layout), ``cpu_quant_gemm`` (the int8 VNNI kernel), ``cpu_quant_embedding`` (lookups that
 dequantize only their rows).

@@ -1,17 +1,19 @@
 """Small C kernels for CPUs: compiled on first use for this CPU, cached, loaded with ctypes.
 
-The runtime's hand-written CPU kernels (paged decode attention, the one-row GEMV)
-are plain C with OpenMP: no torch headers, so a build takes about a second, not
-the minute a torch extension takes. Each is compiled with the machine's C
-compiler (``$CC``, else ``cc``/``gcc``: the one Inductor needs on a CPU anyway)
+The runtime's hand-written CPU kernels (paged decode attention, the GEMV, the AMX and
+quantized linear layers) are plain C with OpenMP in ``compile_runtime/csrc/``: no torch
+headers, so a build takes about a second, not the minute a torch extension takes. A
+library ``name`` is ``csrc/<name>.c`` and the files it includes with quotes: its header
+``<name>.h``, which declares each exported function once (the C is checked against it, and
+ctypes is typed from it: ``c_header.py``), and usually ``prelude.h`` (the system headers
+and the helpers the kernels share: bf16 conversions, ``sum16``). It is compiled with the
+machine's C compiler (``$CC``, else ``cc``/``gcc``: the one Inductor needs on a CPU anyway)
 for this CPU (``-march=native``) and cached under the compile cache root in
-``.cpu_kernels/`` by a digest of the source, the flags, the compiler and the CPU,
-so later starts only load it. Every source gets ``PRELUDE`` first: the headers
-and the helpers they share (bf16 conversions, ``sum16``). The library links the
-OpenMP runtime already in
-the process (torch's libgomp), so its threads are torch's threads. Without a
-compiler, or if a build fails, ``load_c_library`` returns None with one warning
-and the caller computes the same thing with torch ops.
+``.cpu_kernels/`` by a digest of every one of those files, the flags, the compiler and the
+CPU, so editing a header rebuilds and later starts only load it. The library links the
+OpenMP runtime already in the process (torch's libgomp), so its threads are torch's
+threads. Without a compiler, or if a build fails, ``load_c_library`` returns None with one
+warning and the caller computes the same thing with torch ops.
 """
 
 from __future__ import annotations
@@ -21,67 +23,23 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+from typing import Any
 
 from compile_runtime.cache.location import cache_root
+from compile_runtime.ops.c_header import Declaration, parse_header
+from compile_runtime.ops.native_function import NativeFunction
 
 logger = logging.getLogger(__name__)
 
-# Put before every kernel's source: the headers they use and the helpers they share.
-PRELUDE = r"""
-#define _GNU_SOURCE /* syscall() and aligned_alloc() under -std=c99 */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-/* bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest
- * even, as torch does (NaN stays NaN). */
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof(f));
-    return f;
-}
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof(u));
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-static inline float f32_to_f32(float x) { return x; }
-
-#if defined(__AVX512F__)
-/* Element i of the result: the sum of the 16 elements of v[i]. */
-static inline __m512 sum16(const __m512* v) {
-    __m512 t[8], u[4], w[2];
-    for (int i = 0; i < 8; i++)  /* 128-bit lanes 0-1: v[2i]'s halves summed; 2-3: v[2i+1]'s */
-        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));
-    for (int i = 0; i < 4; i++)  /* lane l: four partial sums of v[4i + l] */
-        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-    for (int i = 0; i < 2; i++)
-        w[i] = _mm512_add_ps(_mm512_unpacklo_ps(u[2 * i], u[2 * i + 1]),
-                             _mm512_unpackhi_ps(u[2 * i], u[2 * i + 1]));
-    const __m512d a = _mm512_castps_pd(w[0]), b = _mm512_castps_pd(w[1]);
-    /* element 4l + j: the sum of v[4j + l]; put it back in key order */
-    const __m512 z = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-    return _mm512_permutexvar_ps(order, z);
-}
-#endif
-"""
-
+CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
 FLAGS += ["-Werror=implicit-function-declaration"]  # a missing header must not mean a wrong call
+FLAGS += ["-Werror=missing-prototypes"]  # every exported function is declared in its header
+_LOCAL_INCLUDE = re.compile(rb'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 def cpu_identity() -> str:
@@ -98,35 +56,89 @@ def c_compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(compiler: str, source: str, path: str) -> None:
-    """Compile ``source`` into ``path`` atomically (a temp file in the same folder, then rename)."""
+class CLibrary:
+    """A built library and its header's declarations: its functions come typed from them."""
+
+    def __init__(self, path: str, header: str, declarations: dict[str, Declaration]):
+        self.path = path
+        self.header = header
+        self.declarations = declarations
+        self.cdll = ctypes.CDLL(path)
+
+    def _declared(self, name: str) -> Declaration:
+        if name not in self.declarations:
+            raise KeyError(f"{name} is not declared in {self.header}")
+        return self.declarations[name]
+
+    def native(self, name: str) -> NativeFunction:
+        """``name`` for calls inside a forward: a ``NativeFunction``, which a CPU graph records."""
+        declared = self._declared(name)
+        return NativeFunction(self.cdll, name, declared.argtypes, declared.restype)
+
+    def function(self, name: str) -> Any:
+        """``name`` as a plain ctypes function, for calls outside a forward (set-up, probes)."""
+        declared = self._declared(name)
+        fn = getattr(self.cdll, name)
+        fn.argtypes = list(declared.argtypes)
+        fn.restype = declared.restype
+        return fn
+
+
+def _inputs(name: str, folder: str) -> dict[str, bytes]:
+    """Every file a build of ``name`` reads from ``folder``, by name: ``<name>.c`` and what it
+    includes with quotes, recursively (all in ``folder`` itself)."""
+    inputs: dict[str, bytes] = {}
+    pending = [f"{name}.c"]
+    while pending:
+        file = pending.pop()
+        if file in inputs:
+            continue
+        if os.path.basename(file) != file:
+            raise ValueError(f"{file!r}: a kernel includes only files next to it in {folder}")
+        with open(os.path.join(folder, file), "rb") as f:
+            inputs[file] = f.read()
+        pending += [m.decode() for m in _LOCAL_INCLUDE.findall(inputs[file])]
+    return inputs
+
+
+def _build(compiler: str, name: str, inputs: dict[str, bytes], path: str) -> None:
+    """Compile ``inputs`` (the very bytes the digest covers) into ``path`` atomically: in a
+    temp folder next to it, then renamed."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder) as tmp:
-        src, lib = os.path.join(tmp, "kernel.c"), os.path.join(tmp, "kernel.so")
-        with open(src, "w") as f:
-            f.write(PRELUDE + source)
+        for file, content in inputs.items():
+            with open(os.path.join(tmp, file), "wb") as f:
+                f.write(content)
+        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, "kernel.so")
         subprocess.run(
             [compiler, *FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, text=True
         )
         os.replace(lib, path)
 
 
-def load_c_library(name: str, source: str, what: str) -> ctypes.CDLL | None:
-    """``source`` built (once per source, compiler and CPU) and loaded; None with a warning
-    naming ``what`` falls back to torch ops when it cannot be built here."""
+def load_c_library(name: str, what: str, folder: str = CSRC) -> CLibrary | None:
+    """``<folder>/<name>.c`` built (once per content of its files, compiler and CPU) and loaded
+    with the declarations of ``<name>.h``; None with a warning naming ``what`` (the caller
+    falls back to torch ops) when it cannot be built here."""
+    inputs = _inputs(name, folder)
+    header = f"{name}.h"
+    if header not in inputs:
+        raise ValueError(f"{name}.c must include {header}, which declares what it exports")
+    declarations = parse_header(inputs[header].decode(), os.path.join(folder, header))
     compiler = c_compiler()
     if compiler is None:
         logger.warning("no C compiler (cc/gcc, or $CC): %s uses torch ops", what)
         return None
-    digest = hashlib.sha256(
-        "\0".join([PRELUDE, source, " ".join(FLAGS), compiler, cpu_identity()]).encode()
-    ).hexdigest()[:24]
-    path = os.path.join(cache_root(), ".cpu_kernels", f"{name}_{digest}.so")
+    digest = hashlib.sha256()
+    for file in sorted(inputs):
+        digest.update(file.encode() + b"\0" + inputs[file] + b"\0")
+    digest.update("\0".join([" ".join(FLAGS), compiler, cpu_identity()]).encode())
+    path = os.path.join(cache_root(), ".cpu_kernels", f"{name}_{digest.hexdigest()[:24]}.so")
     try:
         if not os.path.exists(path):
-            _build(compiler, source, path)
-        return ctypes.CDLL(path)
+            _build(compiler, name, inputs, path)
+        return CLibrary(path, os.path.join(folder, header), declarations)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("%s: C kernel not built (%s); using torch ops", what, detail.strip()[:500])

@@ -10,178 +10,19 @@ products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
 16 partial sums of a tile together: all 30 layers plus the lm_head of SmolLM2-135M
 at one row took 10.4 ms in bf16 (oneDNN 14.5) and 19.9 ms in float32 (oneDNN
 25.0, MKL 20.8). With more rows the weight is reused and the GEMV becomes bound by
-its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. Built by
-``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD Zen 3) runs the float32 tile
-with 8-float vectors; without AVX512-BF16, bf16 keeps the oneDNN path, as does every
-dtype without a C compiler.
+its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. The C is
+``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
+Zen 3) runs the float32 tile with 8-float vectors; without AVX512-BF16, bf16 keeps the
+oneDNN path, as does every dtype without a C compiler.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 
 import torch
 
 from compile_runtime.ops.native_function import NativeFunction
-
-SOURCE = r"""
-#define ROWS 4         /* weight rows per tile: four streams from memory */
-#define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
-                          fell ~30% short of the memory bandwidth on short rows */
-
-/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x [M, K] rows x_stride apart, w [N, K]
- * contiguous, y [M, N] rows y_stride apart, bias NULL or [N]. A tile is 4 weight rows by
- * up to 4 rows of x: 16 vectors of partial sums, reduced together by sum16 (one pass of
- * shuffles for 16 outputs). The first group of x rows reads the weight rows from memory
- * (prefetching ahead); later groups find them in L1. */
-/* The driver, one body for both element types: blocks of ROWS weight rows shared out over
- * the threads; in each, the rows of x four at a time (TILE with the count fixed, so its
- * loops unroll), the first group prefetching the weight; leftover weight rows (N % ROWS)
- * by plain dot products. */
-#define DEFINE_GEMV(NAME, T, TILE, WIDEN, NARROW)                                           \
-void NAME(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t y_stride, \
-          int64_t M, int64_t N, int64_t K, int64_t num_threads) {                           \
-    const int64_t blocks = N / ROWS;                                                        \
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                  \
-    for (int64_t b = 0; b < blocks; b++) {                                                  \
-        const int64_t n0 = b * ROWS;                                                        \
-        const T* w0 = w + n0 * K;                                                           \
-        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                             \
-            const int64_t mr = M - m0 < 4 ? M - m0 : 4;                                     \
-            float res[16];                                                                  \
-            const T* xm = x + m0 * x_stride;                                                \
-            const int pf = m0 == 0;                                                         \
-            switch (mr) {                                                                   \
-                case 1: TILE(xm, x_stride, w0, K, 1, pf, res); break;                       \
-                case 2: TILE(xm, x_stride, w0, K, 2, pf, res); break;                       \
-                case 3: TILE(xm, x_stride, w0, K, 3, pf, res); break;                       \
-                default: TILE(xm, x_stride, w0, K, 4, pf, res); break;                      \
-            }                                                                               \
-            for (int64_t i = 0; i < mr; i++)                                                \
-                for (int r = 0; r < ROWS; r++) {                                            \
-                    float s = res[i * ROWS + r];                                            \
-                    if (bias) s += WIDEN(bias[n0 + r]);                                     \
-                    y[(m0 + i) * y_stride + n0 + r] = NARROW(s);                            \
-                }                                                                           \
-        }                                                                                   \
-    }                                                                                       \
-    for (int64_t n = blocks * ROWS; n < N; n++)                                             \
-        for (int64_t m = 0; m < M; m++) {                                                   \
-            float s = bias ? WIDEN(bias[n]) : 0.f;                                          \
-            for (int64_t k = 0; k < K; k++) s += WIDEN(x[m * x_stride + k]) * WIDEN(w[n * K + k]); \
-            y[m * y_stride + n] = NARROW(s);                                                \
-        }                                                                                   \
-}
-
-#if defined(__AVX512BF16__)
-/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
-static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
-                             const int MR, const int prefetch, float* res) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t tail = K % 32;
-    int64_t k = 0;
-    for (; k + 32 <= K; k += 32) {
-        __m512i wv[ROWS];
-        for (int r = 0; r < ROWS; r++) {
-            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
-            wv[r] = _mm512_loadu_si512(w0 + r * K + k);
-        }
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k);
-            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
-        }
-    }
-    if (tail) {
-        const __mmask32 m = (__mmask32)((1ull << tail) - 1);
-        __m512i wv[ROWS];
-        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_epi16(m, w0 + r * K + k);
-        for (int i = 0; i < MR; i++) {
-            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * x_stride + k);
-            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
-        }
-    }
-    _mm512_storeu_ps(res, sum16(acc));
-}
-
-DEFINE_GEMV(gemv_bf16, uint16_t, tile_bf16, bf16_to_f32, f32_to_bf16)
-int gemv_has_bf16(void) { return 1; }
-#else
-int gemv_has_bf16(void) { return 0; }
-#endif
-
-#if defined(__AVX512F__)
-/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
-static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
-                             const int MR, const int prefetch, float* res) {
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t tail = K % 16;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        __m512 wv[ROWS];
-        for (int r = 0; r < ROWS; r++) {
-            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
-            wv[r] = _mm512_loadu_ps(w0 + r * K + k);
-        }
-        for (int i = 0; i < MR; i++) {
-            const __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
-            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
-        }
-    }
-    if (tail) {
-        const __mmask16 m = (__mmask16)((1u << tail) - 1);
-        __m512 wv[ROWS];
-        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_ps(m, w0 + r * K + k);
-        for (int i = 0; i < MR; i++) {
-            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * x_stride + k);
-            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
-        }
-    }
-    _mm512_storeu_ps(res, sum16(acc));
-}
-
-DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
-int gemv_has_f32(void) { return 1; }
-#elif defined(__AVX2__) && defined(__FMA__)
-/* The same tile with 8-float vectors (AMD Zen, Intel before AVX-512). */
-static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
-                             const int MR, const int prefetch, float* res) {
-    __m256 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
-    const int64_t tail = K % 8;
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        for (int r = 0; r < ROWS; r++) {
-            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
-            const __m256 wv = _mm256_loadu_ps(w0 + r * K + k);
-            for (int i = 0; i < MR; i++)
-                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * x_stride + k), wv, acc[i * ROWS + r]);
-        }
-    }
-    if (tail) {
-        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)tail),
-                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-        for (int r = 0; r < ROWS; r++) {
-            const __m256 wv = _mm256_maskload_ps(w0 + r * K + k, m);
-            for (int i = 0; i < MR; i++)
-                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + i * x_stride + k, m), wv, acc[i * ROWS + r]);
-        }
-    }
-    for (int i = 0; i < MR; i++) {  /* the four rows' sums of x row i, by horizontal adds */
-        const __m256* a = acc + i * ROWS;
-        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-        _mm_storeu_ps(res + i * ROWS, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
-    }
-}
-
-DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
-int gemv_has_f32(void) { return 1; }
-#else
-int gemv_has_f32(void) { return 0; }
-#endif
-"""
 
 # Rows up to which the GEMV beats oneDNN's packed GEMM (all of SmolLM2's weights, 2 cores):
 # bf16 at 1/2/4 rows 10.4/11.6/13.7 ms against 14.5 (oneDNN is flat to 16 rows, then the
@@ -192,25 +33,23 @@ MOST_ROWS = max(MAX_ROWS.values())
 
 
 @functools.cache
-def _library() -> tuple[ctypes.CDLL | None, dict[torch.dtype, object]]:
-    """The library and its kernel per dtype this CPU runs (empty without AVX-512)."""
+def _kernels() -> dict[torch.dtype, NativeFunction]:
+    """The kernel per dtype this CPU runs (empty without AVX-512 or AVX2, or a compiler)."""
     from compile_runtime.ops.c_library import load_c_library
 
-    lib = load_c_library("gemv", SOURCE, "one-row CPU linear layers")
+    lib = load_c_library("gemv", "one-row CPU linear layers")
     if lib is None:
-        return None, {}
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    kernels = {}
-    for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
-        if getattr(lib, f"gemv_has_{name}")():
-            argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64]
-            kernels[dtype] = NativeFunction(lib, f"gemv_{name}", argtypes)
-    return lib, kernels
+        return {}
+    return {
+        dtype: lib.native(f"gemv_{name}")
+        for dtype, name in ((torch.bfloat16, "bf16"), (torch.float32, "f32"))
+        if lib.function(f"gemv_has_{name}")()
+    }
 
 
 def gemv_dtypes() -> frozenset[torch.dtype]:
     """The dtypes the GEMV runs in on this machine."""
-    return frozenset(_library()[1])
+    return frozenset(_kernels())
 
 
 def gemv_linear(
@@ -218,7 +57,7 @@ def gemv_linear(
 ) -> torch.Tensor | None:
     """``F.linear(x, weight, bias)`` for ``x`` of a few rows (``MAX_ROWS``), by the GEMV;
     None when the kernel does not take these tensors (the caller runs its own path)."""
-    kernel = _library()[1].get(weight.dtype)
+    kernel = _kernels().get(weight.dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (
         kernel is None

@@ -21,10 +21,11 @@ Up to 4 rows of x are quantized before the parallel region (one barrier less).
 Measured in a decode step's order of SmolLM2-135M's 121 linears (30 distinct layers,
 weights streamed from memory, 2 threads): Q8_0 7.4-8.1 ms a token against 8.5-8.7 ms
 for the per-row kernel, Q4_1 3.9-5.1 against 5.6-5.8 ms. ``qrows`` dequantizes rows of
-a packed table (the tied embedding).
+a packed table (the tied embedding). The C is ``csrc/qgemm.c`` (with the body for the
+CPU's instructions: ``qgemm_avx512.h``, ``qgemm_avx2.h``).
 
 On a CPU with AVX2 but not AVX512-VNNI (AMD Zen 3, Intel before Ice Lake) the same
-layout is read 8 rows a register with ``vpmaddubsw`` and ``vpmaddwd`` (the C source
+layout is read 8 rows a register with ``vpmaddubsw`` and ``vpmaddwd`` (``qgemm_avx2.h``
 says why the sums stay exact). Without either, or without a C compiler, the loader
 dequantizes the weights once (``models/registry.py``); a weight that is not packed
 still runs here, through its dequantized floats (correct, slow).
@@ -32,8 +33,8 @@ still runs here, through its dequantized floats (correct, slow).
 
 from __future__ import annotations
 
-import ctypes
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -48,77 +49,24 @@ from compile_runtime.ops.cpu_quant_formats import (
     is_packed,
     pack_rows,
 )
-from compile_runtime.ops.cpu_quant_kernel_avx2 import SOURCE as AVX2_SOURCE
-from compile_runtime.ops.cpu_quant_kernel_avx512 import SOURCE as AVX512_SOURCE
 from compile_runtime.ops.hugepages import move_into_hugepages
 from compile_runtime.ops.native_function import NativeFunction
+
+if TYPE_CHECKING:
+    from compile_runtime.ops.c_library import CLibrary
 
 FORMAT_IDS = {Q8_0: 0, Q4_0: 1, Q4_1: 2}
 _FORMAT_BY_BYTES = {f.block_bytes: i for f, i in FORMAT_IDS.items()}
 _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
 
-SOURCE = (
-    "#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__F16C__)\n"
-    + AVX512_SOURCE
-    + "#define QGEMM_ISA 1\n#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)\n"
-    + AVX2_SOURCE
-    + "#define QGEMM_ISA 2\n#endif\n"
-    + r"""
-#if defined(QGEMM_ISA)
-/* Rows ids[0..n) of a packed quantized table w [N, K / 32 blocks], dequantized: out [n, K]
- * (bf16 or f32), each value d * q (Q4_1: d * q + m) in float32 as dequantize computes it.
- * Returns how many ids are outside [0, N); then nothing is written. */
-int64_t qrows(const uint8_t* w, int fmt, int64_t N, int64_t K, const int64_t* ids, int64_t n,
-              void* out, int bf16) {
-    const int64_t nb = K / 32, bb = BLOCK_BYTES[fmt], sb = fmt == Q41 ? 4 : 2;
-    int64_t bad = 0;
-    for (int64_t t = 0; t < n; t++) bad += ids[t] < 0 || ids[t] >= N;
-    if (bad) return bad;
-    for (int64_t t = 0; t < n; t++) {
-        const int64_t row = ids[t], n0 = row / 16 * 16, l = row - n0;
-        const int64_t r = N - n0 < 16 ? N - n0 : 16;
-        const uint8_t* gw = w + n0 * nb * bb;
-        const uint8_t* quants = gw + sb * nb * r;
-        for (int64_t b = 0; b < nb; b++) {
-            uint16_t h;
-            memcpy(&h, gw + 2 * (b * r + l), 2);
-            const float d = _cvtsh_ss(h);
-            float m = 0.f;
-            if (fmt == Q41) { memcpy(&h, gw + 2 * nb * r + 2 * (b * r + l), 2); m = _cvtsh_ss(h); }
-            const uint8_t* q = quants + b * r * (fmt == Q80 ? 32 : 16);
-            for (int e = 0; e < 32; e++) {
-                const int k = e / 4, i = e % 4;
-                float v;
-                if (fmt == Q80) {
-                    v = d * (float)((int)q[4 * r * k + 4 * l + i] - 128);
-                } else {
-                    const uint8_t byte = q[4 * r * (k / 2) + 4 * l + i];
-                    const int nib = k % 2 ? byte >> 4 : byte & 0x0F;
-                    v = fmt == Q40 ? d * (float)(nib - 8) : d * (float)nib + m;
-                }
-                const int64_t o = t * K + b * 32 + e;
-                if (bf16) ((uint16_t*)out)[o] = f32_to_bf16(v);
-                else ((float*)out)[o] = v;
-            }
-        }
-    }
-    return 0;
-}
-int qgemm_available(void) { return QGEMM_ISA; }
-#else
-int qgemm_available(void) { return 0; }
-#endif
-"""
-)
-
 
 @functools.cache
-def _library():
+def _library() -> CLibrary | None:
     """The built library, or None (no compiler, no AVX512-VNNI or AVX2)."""
     from compile_runtime.ops.c_library import load_c_library
 
-    lib = load_c_library("qgemm", SOURCE, "quantized CPU linear layers")
-    if lib is None or not lib.qgemm_available():
+    lib = load_c_library("qgemm", "quantized CPU linear layers")
+    if lib is None or not lib.function("qgemm_available")():
         return None
     return lib
 
@@ -126,21 +74,13 @@ def _library():
 @functools.cache
 def _kernel() -> NativeFunction | None:
     lib = _library()
-    if lib is None:
-        return None
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return NativeFunction(
-        lib, "qgemm", [ptr, i64, i32, ptr, i32, ptr, ptr, i64, i64, i64, i64, i64]
-    )
+    return None if lib is None else lib.native("qgemm")
 
 
 @functools.cache
 def _rows_kernel() -> NativeFunction | None:
     lib = _library()
-    if lib is None:
-        return None
-    i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    return NativeFunction(lib, "qrows", [ptr, i32, i64, i64, ptr, i64, ptr, i32], i64)
+    return None if lib is None else lib.native("qrows")
 
 
 def kernel_available() -> bool:

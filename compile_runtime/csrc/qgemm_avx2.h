@@ -1,16 +1,14 @@
-"""The quantized GEMM's C body for CPUs with AVX2 but not AVX512-VNNI (AMD Zen 3, Intel
-before Ice Lake): the layout and arithmetic of ``cpu_quant_kernel_avx512.py`` 8 rows a
-register, so a group of 16 rows is two halves.
-
-AVX2 has no ``vpdpbusd``: ``vpmaddubsw`` multiplies unsigned by signed bytes into
-saturating int16 pairs, then ``vpmaddwd`` sums pairs to int32. Q4's nibbles (0..15) times
-x (|q| <= 127) stay below 2^15 even summed over a whole block, so a block takes one
-``vpmaddwd``. Q8_0's stored bytes are the quants plus 128: flipped back to signed, the
-pair sums go through |w| (0..128, unsigned) times x with w's sign (|x| <= 127), at most
-2 * 128 * 127 < 2^15, so nothing saturates and the sums are exact, as with VNNI.
-"""
-
-SOURCE = r"""#define PF 2048
+/* The quantized GEMM's body for CPUs with AVX2 but not AVX512-VNNI (AMD Zen 3, Intel before
+ * Ice Lake; included by qgemm.c after the prelude): the layout and arithmetic of
+ * qgemm_avx512.h 8 rows a register, so a group of 16 rows is two halves.
+ *
+ * AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into saturating int16
+ * pairs, then vpmaddwd sums pairs to int32. Q4's nibbles (0..15) times x (|q| <= 127) stay
+ * below 2^15 even summed over a whole block, so a block takes one vpmaddwd. Q8_0's stored
+ * bytes are the quants plus 128: flipped back to signed, the pair sums go through |w|
+ * (0..128, unsigned) times x with w's sign (|x| <= 127), at most 2 * 128 * 127 < 2^15, so
+ * nothing saturates and the sums are exact, as with VNNI. */
+#define PF 2048
 enum { Q80 = 0, Q40 = 1, Q41 = 2 };
 static const int BLOCK_BYTES[3] = {34, 18, 20};
 
@@ -254,4 +252,3 @@ void qgemm(const void* x, int64_t x_stride, int bf16, const uint8_t* w, int fmt,
         }
     }
 }
-"""

@@ -1,7 +1,6 @@
-"""The quantized GEMM's C body for CPUs with AVX512-VNNI (``cpu_quant_gemm.py`` says what
-it computes and why the layout is so): ``vpdpbusd`` on 16 rows' 4-byte chunks at once."""
-
-SOURCE = r"""
+/* The quantized GEMM's body for CPUs with AVX512-VNNI (included by qgemm.c after the
+ * prelude; compile_runtime/ops/cpu_quant_gemm.py says what it computes and why the layout is
+ * so): vpdpbusd on 16 rows' 4-byte chunks at once. */
 #define PF 2048  /* bytes ahead in a thread's weight stream */
 enum { Q80 = 0, Q40 = 1, Q41 = 2 };
 static const int BLOCK_BYTES[3] = {34, 18, 20};
@@ -177,5 +176,3 @@ void qgemm(const void* x, int64_t x_stride, int bf16, const uint8_t* w, int fmt,
         }
     }
 }
-
-"""

@@ -1,0 +1,160 @@
+/* The GEMV of compile_runtime/ops/cpu_gemv.py (which says what it is for and what it
+ * measured). */
+#include "prelude.h"
+#include "gemv.h"
+
+#define ROWS 4         /* weight rows per tile: four streams from memory */
+#define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
+                          fell ~30% short of the memory bandwidth on short rows */
+
+/* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x [M, K] rows x_stride apart, w [N, K]
+ * contiguous, y [M, N] rows y_stride apart, bias NULL or [N]. A tile is 4 weight rows by
+ * up to 4 rows of x: 16 vectors of partial sums, reduced together by sum16 (one pass of
+ * shuffles for 16 outputs). The first group of x rows reads the weight rows from memory
+ * (prefetching ahead); later groups find them in L1. */
+/* The driver, one body for both element types: blocks of ROWS weight rows shared out over
+ * the threads; in each, the rows of x four at a time (TILE with the count fixed, so its
+ * loops unroll), the first group prefetching the weight; leftover weight rows (N % ROWS)
+ * by plain dot products. */
+#define DEFINE_GEMV(NAME, T, TILE, WIDEN, NARROW)                                           \
+void NAME(const T* x, int64_t x_stride, const T* w, const T* bias, T* y, int64_t y_stride, \
+          int64_t M, int64_t N, int64_t K, int64_t num_threads) {                           \
+    const int64_t blocks = N / ROWS;                                                        \
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                  \
+    for (int64_t b = 0; b < blocks; b++) {                                                  \
+        const int64_t n0 = b * ROWS;                                                        \
+        const T* w0 = w + n0 * K;                                                           \
+        for (int64_t m0 = 0; m0 < M; m0 += 4) {                                             \
+            const int64_t mr = M - m0 < 4 ? M - m0 : 4;                                     \
+            float res[16];                                                                  \
+            const T* xm = x + m0 * x_stride;                                                \
+            const int pf = m0 == 0;                                                         \
+            switch (mr) {                                                                   \
+                case 1: TILE(xm, x_stride, w0, K, 1, pf, res); break;                       \
+                case 2: TILE(xm, x_stride, w0, K, 2, pf, res); break;                       \
+                case 3: TILE(xm, x_stride, w0, K, 3, pf, res); break;                       \
+                default: TILE(xm, x_stride, w0, K, 4, pf, res); break;                      \
+            }                                                                               \
+            for (int64_t i = 0; i < mr; i++)                                                \
+                for (int r = 0; r < ROWS; r++) {                                            \
+                    float s = res[i * ROWS + r];                                            \
+                    if (bias) s += WIDEN(bias[n0 + r]);                                     \
+                    y[(m0 + i) * y_stride + n0 + r] = NARROW(s);                            \
+                }                                                                           \
+        }                                                                                   \
+    }                                                                                       \
+    for (int64_t n = blocks * ROWS; n < N; n++)                                             \
+        for (int64_t m = 0; m < M; m++) {                                                   \
+            float s = bias ? WIDEN(bias[n]) : 0.f;                                          \
+            for (int64_t k = 0; k < K; k++) s += WIDEN(x[m * x_stride + k]) * WIDEN(w[n * K + k]); \
+            y[m * y_stride + n] = NARROW(s);                                                \
+        }                                                                                   \
+}
+
+#if defined(__AVX512BF16__)
+/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
+static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t tail = K % 32;
+    int64_t k = 0;
+    for (; k + 32 <= K; k += 32) {
+        __m512i wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_si512(w0 + r * K + k);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
+        }
+    }
+    if (tail) {
+        const __mmask32 m = (__mmask32)((1ull << tail) - 1);
+        __m512i wv[ROWS];
+        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_epi16(m, w0 + r * K + k);
+        for (int i = 0; i < MR; i++) {
+            const __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_dpbf16_ps(acc[i * ROWS + r], xv, (__m512bh)wv[r]);
+        }
+    }
+    _mm512_storeu_ps(res, sum16(acc));
+}
+
+DEFINE_GEMV(gemv_bf16, uint16_t, tile_bf16, bf16_to_f32, f32_to_bf16)
+int gemv_has_bf16(void) { return 1; }
+#else
+int gemv_has_bf16(void) { return 0; }
+#endif
+
+#if defined(__AVX512F__)
+/* MR rows of x (1..4) times ROWS weight rows: acc[i * ROWS + r] */
+static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    const int64_t tail = K % 16;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        __m512 wv[ROWS];
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            wv[r] = _mm512_loadu_ps(w0 + r * K + k);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_loadu_ps(x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
+        }
+    }
+    if (tail) {
+        const __mmask16 m = (__mmask16)((1u << tail) - 1);
+        __m512 wv[ROWS];
+        for (int r = 0; r < ROWS; r++) wv[r] = _mm512_maskz_loadu_ps(m, w0 + r * K + k);
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + i * x_stride + k);
+            for (int r = 0; r < ROWS; r++) acc[i * ROWS + r] = _mm512_fmadd_ps(xv, wv[r], acc[i * ROWS + r]);
+        }
+    }
+    _mm512_storeu_ps(res, sum16(acc));
+}
+
+DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
+int gemv_has_f32(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* The same tile with 8-float vectors (AMD Zen, Intel before AVX-512). */
+static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m256 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t tail = K % 8;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            const __m256 wv = _mm256_loadu_ps(w0 + r * K + k);
+            for (int i = 0; i < MR; i++)
+                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_loadu_ps(x + i * x_stride + k), wv, acc[i * ROWS + r]);
+        }
+    }
+    if (tail) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)tail),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 wv = _mm256_maskload_ps(w0 + r * K + k, m);
+            for (int i = 0; i < MR; i++)
+                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + i * x_stride + k, m), wv, acc[i * ROWS + r]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {  /* the four rows' sums of x row i, by horizontal adds */
+        const __m256* a = acc + i * ROWS;
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_storeu_ps(res + i * ROWS, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+}
+
+DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
+int gemv_has_f32(void) { return 1; }
+#else
+int gemv_has_f32(void) { return 0; }
+#endif
