@@ -1,4 +1,4 @@
-"""backends/ and passes/ install inside the compile_runtime namespace."""
+"""backends/ and passes/ install inside the compile_runtime namespace; the C sources ship."""
 
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def _source_packages() -> set[str]:
     return names
 
 
-def test_wheel_holds_every_package_and_nothing_at_top(tmp_path):
+def test_wheel_holds_every_package_the_c_sources_and_nothing_at_top(tmp_path):
     subprocess.run(
         [
             sys.executable,
@@ -56,3 +56,8 @@ def test_wheel_holds_every_package_and_nothing_at_top(tmp_path):
     assert tops == {"compile_runtime", f"compile_runtime-{compile_runtime.__version__}.dist-info"}
     packaged = {f.rsplit("/", 1)[0] for f in files if f.endswith("/__init__.py")}
     assert packaged == _source_packages()
+    # the C kernels compile on the machine they run on: their sources and headers ship
+    c_sources = {
+        f"compile_runtime/csrc/{p.name}" for p in (ROOT / "compile_runtime/csrc").iterdir()
+    }
+    assert c_sources and c_sources <= set(files)
