@@ -136,9 +136,11 @@ def capture(
                 try:
                     _capture_one(model, make_inputs, mode, descriptor, report, cuda)
                 except GraphCaptureUnsupported as e:
+                    seen = str(e) in report.failed.values()  # one warning per reason
                     report.failed[f"{mode.name} {descriptor}"] = str(e)
                     dispatcher.discard(mode, descriptor)
-                    logger.warning(
+                    logger.log(
+                        logging.INFO if seen else logging.WARNING,
                         "%s graph for %s not captured, its batches run unreplayed: %s",
                         mode.name,
                         descriptor,
