@@ -53,7 +53,10 @@ def test_gemv_declines_what_it_was_not_written_for():
     a float16 weight, an empty row."""
     _needs(torch.float32)
     weight = torch.randn(16, 32)
-    assert cpu_gemv.gemv_linear(torch.randn(cpu_gemv.MAX_ROWS[torch.float32] + 1, 32), weight, None) is None
+    assert (
+        cpu_gemv.gemv_linear(torch.randn(cpu_gemv.MAX_ROWS[torch.float32] + 1, 32), weight, None)
+        is None
+    )
     assert cpu_gemv.gemv_linear(torch.randn(1, 32, dtype=torch.bfloat16), weight, None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 16), torch.randn(32, 16).t(), None) is None
     assert cpu_gemv.gemv_linear(torch.randn(1, 32).half(), weight.half(), None) is None

@@ -17,8 +17,10 @@ that size then runs unreplayed, never a silent wrong answer):
 * Our kernels: every ``NativeFunction`` call (``ops/native_function.py``).
 * Every other op goes through a dispatch mode: ops that only allocate or make views pass
   (their results are kept alive by the graph); ``cpu_linear`` and ``quant_embedding`` run
-  their bodies under the same mode, so their inner ops are checked too; any op that
-  computes (a copy, a matmul, an all-reduce, ``.item()``) refuses.
+  their bodies under the same mode, so their inner ops are checked too; oneDNN's packed
+  linear (float linears above the GEMV's rows) and plain matmuls become a C callback into
+  torch whose result is copied where the capture's was; any other op that computes (a
+  copy, an all-reduce, ``.item()``) refuses.
 
 Memory: every tensor a recorded call touches, and every tensor made while capturing, is
 kept by the graph, so replays write where the capture wrote and nothing else can be given
@@ -94,6 +96,10 @@ _ALLOCATING = frozenset(
         "aten::new_empty_strided",
     }
 )
+# Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
+# linear: float linears above the GEMV's rows): their result is copied into the tensor the
+# capture returned, which the later calls read.
+_CALLED_BACK = frozenset({"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"})
 # Ops that return their input itself when it already has the dtype or layout asked for.
 _MAYBE_NO_COMPUTE = frozenset({"aten::to", "aten::contiguous"})
 
@@ -130,6 +136,9 @@ def cpu_graphs_available() -> bool:
     return _replay_library() is not None
 
 
+_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
 def _is_inductor_kernel(value: Any) -> bool:
     return (
         type(value) is types.BuiltinFunctionType
@@ -152,6 +161,8 @@ class _Recorder:
         self.calls: list[tuple[int, list[int], str]] = []  # (address, arguments, name)
         self.kept: dict[int, torch.Tensor] = {}  # by id: alive as long as the graph
         self.made: dict[int, int] = {}  # storages allocated while capturing: address -> bytes
+        self.callbacks: list[Any] = []  # the C callbacks into torch (kept: the loop calls them)
+        self.callback_failures: list[BaseException] = []
 
     def keep(self, value: Any, made: bool = False) -> None:
         if isinstance(value, torch.Tensor):
@@ -184,6 +195,22 @@ class _Recorder:
                     "pointer"
                 )
         self._add(function.address, values, function.name)
+
+    def call_back(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A replay calls ``func`` again through a C callback and copies its result into
+        ``out`` (the tensor the later calls were recorded reading)."""
+        self.keep(args)
+        failures = self.callback_failures
+
+        def again(_: int) -> None:
+            try:
+                out.copy_(func(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - raised after the replay, not lost
+                failures.append(e)
+
+        callback = _CALLBACK_TYPE(again)
+        self.callbacks.append(callback)
+        self._add(ctypes.cast(callback, ctypes.c_void_p).value, [0], f"callback {func}")
 
     def allocation_proxy(self, allocate: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         def call(*args: Any) -> torch.Tensor:
@@ -237,6 +264,9 @@ class _RecordingMode(TorchDispatchMode):
             made = name in _ALLOCATING
         elif name in _MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
             pass  # asked of a tensor that already is what was asked for: itself, no copy
+        elif name in _CALLED_BACK:
+            out = func(*args, **kwargs)
+            self.recorder.call_back(func, args, kwargs, out)
         else:
             raise GraphCaptureUnsupported(
                 f"{func} computes in torch, not through a recorded native call, so a replay "
@@ -277,6 +307,8 @@ class CPUGraph:
         self.calls: list[tuple[int, list[int], str]] = []
         self.kept: list[torch.Tensor] = []
         self.nbytes = 0  # of the storages made while capturing: the graph's own memory
+        self.callbacks: list[Any] = []
+        self._failures: list[BaseException] = []
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self._replay_args: tuple[int, int, int, int] | None = None
 
@@ -291,6 +323,8 @@ class CPUGraph:
         self.calls = recorder.calls
         self.kept = list(recorder.kept.values())
         self.nbytes = sum(recorder.made.values())
+        self.callbacks = recorder.callbacks
+        self._failures = recorder.callback_failures
         fns = np.array([address for address, _, _ in self.calls], dtype=np.uint64)
         nargs = np.array([len(args) for _, args, _ in self.calls], dtype=np.int64)
         flat = np.array([a for _, args, _ in self.calls for a in args], dtype=np.int64)
@@ -304,6 +338,10 @@ class CPUGraph:
         done = _replay_library()[0](*self._replay_args)
         if done != len(self.calls):  # pragma: no cover - the recorder checks the limit first
             raise RuntimeError(f"CPU graph replay stopped at call {done} of {len(self.calls)}")
+        if self._failures:  # a callback into torch failed: this replay's outputs are wrong
+            error = self._failures.pop()
+            self._failures.clear()
+            raise RuntimeError(f"a CPU graph's callback into torch failed: {error}") from error
 
 
 class CPUGraphPool:
