@@ -63,6 +63,13 @@ class CaptureReport:
             )
         return f"captured {self.kind} graphs: " + ("; ".join(parts) or "none") + memory + failed
 
+    def sizes_line(self) -> str:
+        """Which sizes each mode captured, and how many were refused: for the start-up line."""
+        parts = [f"{self.kind} {mode} {_ranges(sizes)}" for mode, sizes in self.sizes.items()]
+        if self.failed:
+            parts.append(f"{len(self.failed)} sizes not captured")
+        return "; ".join(parts) or f"no {self.kind} graphs"
+
 
 def _ranges(sizes: list[int]) -> str:
     ordered = sorted(sizes)

@@ -326,10 +326,14 @@ class CUDAGraphWrapper:
 def piecewise_cudagraphs_enabled(
     config: CompilationConfig, graph_factory: GraphFactory | None = None
 ) -> bool:
-    """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE."""
+    """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE.
+
+    FULL counts too: resolved against attention that cannot hold a mixed batch, it becomes
+    FULL_AND_PIECEWISE (``config/modes.py``), whose mixed batches replay the pieces."""
+    mode = config.cudagraph_mode
     return (
         config.mode == CompilationMode.PIECEWISE
-        and config.cudagraph_mode.has_piecewise_cudagraphs()
+        and (mode.has_piecewise_cudagraphs() or mode == CUDAGraphMode.FULL)
         and graphs_available(graph_factory)
     )
 

@@ -221,6 +221,7 @@ class ModelRunner:
                     plan.forward_model, self._capture_inputs, self.dispatcher, graph_pool=pool
                 )
             times.graphs = time.perf_counter() - start
+            times.graph_sizes = self.capture_report.sizes_line()
 
     def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
         """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
