@@ -99,6 +99,12 @@ class AttentionBackend:
     builder_cls: ClassVar[type[AttentionMetadataBuilder]] = AttentionMetadataBuilder
 
     @classmethod
+    def graph_support(cls) -> AttentionCGSupport:
+        """What the backend supports on this machine (``cg_support`` unless it depends on
+        what builds here)."""
+        return cls.cg_support
+
+    @classmethod
     def missing_dependency(cls) -> str | None:
         """Why the backend cannot be used in this environment (what to install), or None."""
         return None

@@ -403,8 +403,18 @@ class CPUBatchedImpl(AttentionImpl):
 
 class CPUBatchedBackend(AttentionBackend):
     name = "cpu_batched"
-    cg_support = AttentionCGSupport.NEVER  # host planning, data-dependent shapes
+    cg_support = AttentionCGSupport.NEVER  # host planning, data-dependent shapes (torch path)
     supported_dtypes = frozenset({torch.float32, torch.float16, torch.bfloat16})
     supported_devices = frozenset({"cpu"})
     impl_cls = CPUBatchedImpl
     builder_cls = CPUBatchedMetadataBuilder
+
+    @classmethod
+    def graph_support(cls) -> AttentionCGSupport:
+        """One-token decodes run in one C call per layer reading fixed buffers (the C kernel):
+        a CPU graph can hold them. Without the kernel, the torch path plans on the host."""
+        from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
+
+        if load_decode_kernel() is not None and cpu_graphs_available():
+            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+        return cls.cg_support

@@ -105,4 +105,4 @@ def get_attn_backend(
 
 def min_cg_support(backends: Iterable[type[AttentionBackend]]) -> AttentionCGSupport:
     """The CUDA graph support every backend in use has (ALWAYS when there are none)."""
-    return min((b.cg_support for b in backends), default=AttentionCGSupport.ALWAYS)
+    return min((b.graph_support() for b in backends), default=AttentionCGSupport.ALWAYS)

@@ -215,6 +215,7 @@ class CompilationConfig(BaseModel):
         attention_split: bool | None = None,
         uniform_decode_query_len: int = 1,
         cuda_available: bool | None = None,
+        cpu_graphs: bool = False,
     ) -> ResolvedModes:
         """Effective modes for this machine and these attention backends.
 
@@ -222,7 +223,8 @@ class CompilationConfig(BaseModel):
         pieces; once the model is traced pass what its split produced
         (``compile_runtime.compiler.decorator.attention_split(model)``), since a
         ``splitting_ops`` entry can match nothing. None guesses from
-        ``splitting_ops`` alone.
+        ``splitting_ops`` alone. ``cpu_graphs``: the model runs on a CPU that can replay
+        CPU graphs (``cudagraph/cpu_graph.py``), which then stand in for CUDA graphs.
         """
         if attention_split is None:
             attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0
@@ -234,7 +236,7 @@ class CompilationConfig(BaseModel):
             min_cg_support=min_cg_support,
             attention_split=attention_split,
             uniform_decode_query_len=uniform_decode_query_len,
-            cuda_available=cuda_available,
+            cuda_available=cuda_available or cpu_graphs,
             explicit="cudagraph_mode" in self.model_fields_set,
         )
         return ResolvedModes(compilation_mode=self.mode, cudagraph_mode=mode)

@@ -140,7 +140,7 @@ def resolve_cudagraph_mode(
     if not cuda_available:
         logger.log(
             logging.WARNING if explicit else logging.INFO,
-            "CUDA is not available: cudagraph_mode %s -> NONE",
+            "CUDA is not available: cudagraph_mode %s -> NONE (no CPU graphs either)",
             requested.name,
         )
         return CUDAGraphMode.NONE

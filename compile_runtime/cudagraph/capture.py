@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
+from compile_runtime.cudagraph.cpu_graph import GraphCaptureUnsupported
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
 from compile_runtime.forward_context import set_forward_context
@@ -41,16 +42,40 @@ class CaptureReport:
     num_descriptors: dict[str, int] = field(default_factory=dict)  # by runtime mode name
     num_graphs: dict[str, int] = field(default_factory=dict)  # one per wrapper per descriptor
     seconds: dict[str, float] = field(default_factory=dict)
-    memory_bytes: int | None = None  # device memory the graphs took; None without CUDA
+    memory_bytes: int | None = None  # memory the graphs took (CUDA pool, or CPU graphs' own)
+    kind: str = "CUDA"  # or "CPU": the graphs are recorded native calls
+    sizes: dict[str, list[int]] = field(default_factory=dict)  # captured token counts by mode
+    # Descriptors whose capture was refused, with the reason: they run unreplayed.
+    failed: dict[str, str] = field(default_factory=dict)
 
     def summary(self) -> str:
         parts = [
             f"{mode}: {self.num_graphs[mode]} graphs for {self.num_descriptors[mode]} sizes "
-            f"in {self.seconds[mode]:.2f} s"
+            f"({_ranges(self.sizes.get(mode, []))}) in {self.seconds[mode]:.2f} s"
             for mode in self.num_graphs
         ]
         memory = "" if self.memory_bytes is None else f", pool {self.memory_bytes / 2**20:.1f} MiB"
-        return "captured CUDA graphs: " + ("; ".join(parts) or "none") + memory
+        failed = ""
+        if self.failed:
+            first = next(iter(self.failed.items()))
+            failed = (
+                f"; {len(self.failed)} not captured (run unreplayed), e.g. {first[0]}: {first[1]}"
+            )
+        return f"captured {self.kind} graphs: " + ("; ".join(parts) or "none") + memory + failed
+
+    def sizes_line(self) -> str:
+        """Which sizes each mode captured, and how many were refused: for the start-up line."""
+        parts = [f"{self.kind} {mode} {_ranges(sizes)}" for mode, sizes in self.sizes.items()]
+        if self.failed:
+            parts.append(f"{len(self.failed)} sizes not captured")
+        return "; ".join(parts) or f"no {self.kind} graphs"
+
+
+def _ranges(sizes: list[int]) -> str:
+    ordered = sorted(sizes)
+    if len(ordered) <= 4:
+        return ", ".join(map(str, ordered))
+    return f"{ordered[0]}, {ordered[1]}, ..., {ordered[-1]}"
 
 
 def _as_inputs(value: CaptureInputs | tuple[Any, ...] | Any) -> CaptureInputs:
@@ -65,6 +90,7 @@ def capture(
     dispatcher: CudagraphDispatcher,
     *,
     progress: bool = True,
+    graph_pool: Any = None,
 ) -> CaptureReport:
     """Capture every ``(mode, descriptor)`` of ``dispatcher.capture_descriptors()``.
 
@@ -75,9 +101,12 @@ def capture(
     between the graphs, and a backend may refuse graph metadata for a batch
     that is not a uniform decode).
     ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
+    ``graph_pool``: the CPU graphs' pool (``cpu_graph.CPUGraphPool``) when they are CPU
+    graphs. A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out
+    of the dispatcher, named in the report and in one log line; its batches run unreplayed.
     """
     descriptors = dispatcher.capture_descriptors()
-    report = CaptureReport()
+    report = CaptureReport(kind="CUDA" if graph_pool is None else "CPU")
     if not descriptors:
         logger.info("no CUDA graphs to capture (cudagraph mode %s)", dispatcher.mode.name)
         return report
@@ -106,14 +135,31 @@ def capture(
     try:
         with cudagraph_capturing_enabled(), stream_ctx:
             for mode, descriptor in tqdm(
-                descriptors, desc="Capturing CUDA graphs", unit="graph", disable=not progress
+                descriptors,
+                desc=f"Capturing {report.kind} graphs",
+                unit="graph",
+                disable=not progress,
             ):
-                _capture_one(model, make_inputs, mode, descriptor, report, cuda)
+                try:
+                    _capture_one(model, make_inputs, mode, descriptor, report, cuda)
+                except GraphCaptureUnsupported as e:
+                    seen = str(e) in report.failed.values()  # one warning per reason
+                    report.failed[f"{mode.name} {descriptor}"] = str(e)
+                    dispatcher.discard(mode, descriptor)
+                    logger.log(
+                        logging.INFO if seen else logging.WARNING,
+                        "%s graph for %s not captured, its batches run unreplayed: %s",
+                        mode.name,
+                        descriptor,
+                        e,
+                    )
     finally:
         gc.unfreeze()
     if cuda:
         torch.cuda.synchronize()
         report.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
+    elif graph_pool is not None:
+        report.memory_bytes = graph_pool.nbytes
     logger.info(report.summary())
     return report
 
@@ -150,4 +196,5 @@ def _capture_one(
     name = mode.name
     report.num_descriptors[name] = report.num_descriptors.get(name, 0) + 1
     report.num_graphs[name] = report.num_graphs.get(name, 0) + captured
+    report.sizes.setdefault(name, []).append(descriptor.num_tokens)
     report.seconds[name] = report.seconds.get(name, 0.0) + time.perf_counter() - start

@@ -179,6 +179,17 @@ class CudagraphDispatcher:
                 return mode, self._mixed_desc[self._mixed_pad[num_tokens]]
         return NONE, BatchDescriptor(num_tokens)
 
+    def discard(self, mode: CUDAGraphMode, descriptor: BatchDescriptor) -> None:
+        """Forget the ``mode`` graph of ``descriptor`` (its capture was refused): its batches
+        pad to the next size of the same kind, or take the other mode, or run unreplayed."""
+        if descriptor not in self.keys.get(mode, []):
+            raise ValueError(f"no {mode.name} graph key {descriptor} to discard")
+        self.keys[mode].remove(descriptor)
+        table = self._decode_desc if descriptor in self._decode_desc.values() else self._mixed_desc
+        table.pop(descriptor.num_tokens, None)
+        self._decode_pad = padding_table(self._decode_desc)
+        self._mixed_pad = padding_table(self._mixed_desc)
+
     def capture_descriptors(self) -> list[tuple[CUDAGraphMode, BatchDescriptor]]:
         """What start-up must capture: PIECEWISE then FULL, each largest first."""
         return [

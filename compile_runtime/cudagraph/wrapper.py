@@ -216,10 +216,13 @@ class CUDAGraphWrapper:
         self.num_warmups = num_warmups
         self.is_first_piece = is_first_piece
         self.is_last_piece = is_last_piece
-        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0") if debug is None else debug
+        self.factory = graph_factory or CUDA_GRAPHS
+        if debug is None:  # CPU graphs always check: a moved input would replay silently wrong
+            debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+            debug = debug or getattr(self.factory, "checks_addresses", False)
+        self.debug = debug
         self.name = name or getattr(runnable, "__name__", type(runnable).__name__)
         self.arg_names = list(arg_names) if arg_names is not None else _positional_names(runnable)
-        self.factory = graph_factory or CUDA_GRAPHS
         self.entries: dict[BatchDescriptor, _Entry] = {}
         self.num_replays = 0
 
@@ -268,9 +271,10 @@ class CUDAGraphWrapper:
         graph = self.factory.new_graph()
         with self._capture_hygiene():
             outputs = graph.capture(lambda: self.runnable(*args, **kwargs), self.factory.pool())
-        # Capture records the work without running it: replay once so this call's
-        # outputs hold real values.
-        graph.replay()
+        # A CUDA capture records the work without running it: replay once so this call's
+        # outputs hold real values (a CPU capture ran it).
+        if not getattr(self.factory, "capture_runs_work", False):
+            graph.replay()
         kept = outputs if self.is_last_piece else weak_ref_tensors(outputs)
         self.entries[descriptor] = _Entry(graph, kept, addresses)
         compilation_counter.num_cudagraph_captured += 1
@@ -322,10 +326,14 @@ class CUDAGraphWrapper:
 def piecewise_cudagraphs_enabled(
     config: CompilationConfig, graph_factory: GraphFactory | None = None
 ) -> bool:
-    """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE."""
+    """Whether the backend wraps pieces: the wrappers act only when the dispatcher says PIECEWISE.
+
+    FULL counts too: resolved against attention that cannot hold a mixed batch, it becomes
+    FULL_AND_PIECEWISE (``config/modes.py``), whose mixed batches replay the pieces."""
+    mode = config.cudagraph_mode
     return (
         config.mode == CompilationMode.PIECEWISE
-        and config.cudagraph_mode.has_piecewise_cudagraphs()
+        and (mode.has_piecewise_cudagraphs() or mode == CUDAGraphMode.FULL)
         and graphs_available(graph_factory)
     )
 

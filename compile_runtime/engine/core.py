@@ -36,6 +36,7 @@ class StepOutput:
     num_scheduled_tokens: int = 0
     seconds: float = 0.0
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (rank 0)
+    unreplayed_reason: str | None = None  # why no graph ran, when graphs are on
     # req_id -> (first prompt position, logprobs of the prompt tokens from there).
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
@@ -115,5 +116,6 @@ class EngineCore:
             num_scheduled_tokens=sum(counts.values()),
             seconds=time.perf_counter() - start,
             runtime_mode=out.runtime_mode,
+            unreplayed_reason=out.unreplayed_reason,
             prompt_logprobs=out.prompt_logprobs,
         )

@@ -100,3 +100,16 @@ def resolve_auto_sizes(spec: str, max_size: int | None) -> list[int]:
     )
     _resolved[key] = list(report.sizes)
     return list(report.sizes)
+
+
+# A CPU graph saves the Python around a step (a few ms), which matters for small batches;
+# a large batch is its arithmetic, and every size costs captures at start-up and memory.
+CPU_MAX_CAPTURE_SIZE = 64
+
+
+def cpu_capture_config(config: CompilationConfig) -> CompilationConfig:
+    """``config`` with the default ladder capped at ``CPU_MAX_CAPTURE_SIZE`` for CPU graphs,
+    unless it names its own sizes or cap."""
+    if config.cudagraph_capture_sizes is not None or config.max_cudagraph_capture_size is not None:
+        return config
+    return config.model_copy(update={"max_cudagraph_capture_size": CPU_MAX_CAPTURE_SIZE})

@@ -20,7 +20,7 @@ from compile_runtime.backends.attention.registry import min_cg_support
 from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
 from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
-from compile_runtime.cudagraph.wrapper import wrap_full_model
+from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_full_model
 
 if TYPE_CHECKING:
     from compile_runtime.attention.layer import Attention
@@ -46,17 +46,20 @@ def plan_cudagraphs(
     *,
     uniform_decode_query_len: int,
     device: torch.device,
+    graph_factory: GraphFactory | None = None,
 ) -> CudaGraphPlan:
     """The plan for ``model`` once traced; ``dispatcher`` (its capture sizes resolved when it
-    was built) gets the keys of the resolved mode."""
+    was built) gets the keys of the resolved mode. ``graph_factory``: CPU graphs on a CPU
+    that replays them (``cudagraph/cpu_graph.py``), None for CUDA graphs."""
     modes = config.resolve(
         min_cg_support({layer.attn_backend for layer in layers}),
         attention_split=bool(attention_split(model)),  # None: nothing traced, nothing split
         uniform_decode_query_len=uniform_decode_query_len,
         cuda_available=device.type == "cuda",
+        cpu_graphs=device.type == "cpu" and graph_factory is not None,
     )
     dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len)
     forward_model = model.model
     if modes.cudagraph_mode.has_full_cudagraphs():
-        forward_model = wrap_full_model(forward_model, config)
+        forward_model = wrap_full_model(forward_model, config, graph_factory)
     return CudaGraphPlan(modes=modes, dispatcher=dispatcher, forward_model=forward_model)

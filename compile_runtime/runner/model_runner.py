@@ -20,6 +20,7 @@ rank appends the same ones.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,21 +28,23 @@ import numpy as np
 import torch
 
 from compile_runtime.attention.layer import attention_layers
-from compile_runtime.compiler.decorator import backend_seconds
+from compile_runtime.compiler.decorator import backend_seconds, set_graph_factory
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, cpu_graphs_available
 from compile_runtime.cudagraph.dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
     is_uniform_decode,
 )
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
+from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.device import resolve_device
 from compile_runtime.distributed import get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
+from compile_runtime.planner.capture_sizes import cpu_capture_config
 from compile_runtime.planner.workload import Workload
 from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
 from compile_runtime.runner.cpu_threads import set_num_threads
@@ -78,6 +81,7 @@ class ExecuteModelState:
     logits: torch.Tensor | None
     sampling_req_ids: list[str]  # requests whose prompt is complete: they get tokens
     runtime_mode: str | None = None
+    unreplayed_reason: str | None = None
     drafts: list[list[int]] | None = None  # per sampling request, when any has drafts
     prompt_logprobs: dict[str, tuple[int, list]] | None = None
     grammar_bitmask: dict[str, Any] | None = None  # structured outputs: rows' allowed tokens
@@ -117,6 +121,16 @@ class ModelRunner:
             quantization=self.config.quantization,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
+        # On a CPU the graphs are CPU graphs (recorded native calls replayed from C): the
+        # pieces are wrapped for them at the first forward.
+        self.graph_factory: GraphFactory | None = None
+        if (
+            self.device.type == "cpu"
+            and compilation_config.cudagraph_mode != CUDAGraphMode.NONE
+            and cpu_graphs_available()
+        ):
+            self.graph_factory = CPU_GRAPHS
+            set_graph_factory(self.model, CPU_GRAPHS)
         # The engine sized these already; a runner built directly fills them here.
         size_runner_config(self.config, self.model.config, dtype, self.device, self.tp_size)
         self.layers = attention_layers(self.model)
@@ -144,7 +158,9 @@ class ModelRunner:
         # Its capture sizes now (a bad "auto:FILE" fails before the compile); its keys once the
         # trace has shown the split (cudagraph_plan.py).
         self.dispatcher = CudagraphDispatcher(
-            compilation_config, max_num_tokens=self.max_num_tokens, max_num_reqs=c.max_num_seqs
+            cpu_capture_config(compilation_config) if self.graph_factory else compilation_config,
+            max_num_tokens=self.max_num_tokens,
+            max_num_reqs=c.max_num_seqs,
         )
         self.cudagraph_plan: CudaGraphPlan | None = None
         self.sampler = Sampler()
@@ -152,6 +168,8 @@ class ModelRunner:
         self.execute_state: ExecuteModelState | None = None
         self.num_blocks = 0
         self.capture_report: CaptureReport | None = None
+        self.unreplayed: Counter[str] = Counter()  # steps without a graph, by reason
+        self.vocab_size = getattr(self.model.config, "vocab_size", None)
 
     # ---- start-up ---------------------------------------------------------
 
@@ -188,17 +206,22 @@ class ModelRunner:
             self.dispatcher,
             uniform_decode_query_len=self.uniform_decode_query_len,
             device=self.device,
+            graph_factory=self.graph_factory,
         )
         self.num_blocks = allocate_kv_cache_for(
             self.config, self.layers, self.dtype, self.device, self._allocated_at_start, times
         )
+        for builder, _ in self.metadata_groups:  # every step's block ids checked against it
+            builder.num_cache_blocks = self.num_blocks
         if self.dispatcher.capture_descriptors():
             start = time.perf_counter()
+            pool = self.graph_factory.pool() if self.graph_factory else None
             with torch.inference_mode():
                 self.capture_report = capture(
-                    plan.forward_model, self._capture_inputs, self.dispatcher
+                    plan.forward_model, self._capture_inputs, self.dispatcher, graph_pool=pool
                 )
             times.graphs = time.perf_counter() - start
+            times.graph_sizes = self.capture_report.sizes_line()
 
     def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
         """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
@@ -246,6 +269,24 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------
 
+    def _unreplayed_reason(self, num_tokens: int, uniform_decode: bool) -> str:
+        largest = max((d.num_tokens for _, d in self.dispatcher.capture_descriptors()), default=0)
+        if num_tokens > largest:
+            return "above the largest captured size"
+        return "no captured graph for this kind of batch"
+
+    def _check_token_ids(self, token_ids: np.ndarray) -> None:
+        """Ids outside the vocabulary are an error before the forward: a kernel reading the
+        embedding table (a replayed one above all) would read outside it."""
+        if self.vocab_size is None or not token_ids.size:
+            return
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ModelRunnerError(
+                f"token id {low if low < 0 else high} is outside the vocabulary of "
+                f"{self.vocab_size}; check the prompt's token ids"
+            )
+
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
@@ -284,6 +325,11 @@ class ModelRunner:
         self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
+        unreplayed = None
+        if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
+            unreplayed = self._unreplayed_reason(total, uniform_decode)
+            self.unreplayed[unreplayed] += 1
+        self._check_token_ids(step.token_ids)
         padded = descriptor.num_tokens
         self.buffers.load(step, padded)
         metadata = build_metadata(
@@ -313,6 +359,7 @@ class ModelRunner:
             logits=logits,
             sampling_req_ids=rows.sampling_req_ids,
             runtime_mode=mode.name,
+            unreplayed_reason=unreplayed,
             drafts=rows.drafts,
             prompt_logprobs=prompt,
             grammar_bitmask=so.grammar_bitmask,
@@ -347,6 +394,7 @@ class ModelRunner:
         output = ModelRunnerOutput(
             req_ids=list(state.req_ids),
             runtime_mode=state.runtime_mode,
+            unreplayed_reason=state.unreplayed_reason,
             prompt_logprobs=state.prompt_logprobs or {},
         )
         req_ids = state.sampling_req_ids

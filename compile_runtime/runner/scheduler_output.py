@@ -81,6 +81,8 @@ class ModelRunnerOutput:
     # Per token: (chosen token logprob, [(token, logprob), ...] top-k), when asked for.
     logprobs: list[list[tuple[float, list[tuple[int, float]]]] | None] = field(default_factory=list)
     runtime_mode: str | None = None  # the CUDA graph mode the step ran in (for metrics)
+    # Why a step ran without a graph when graphs are on (above the largest size, ...).
+    unreplayed_reason: str | None = None
     # req_id -> draft tokens proposed for its next step (speculative decoding).
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # req_id -> (first prompt position, logprobs of the prompt tokens from there) for the

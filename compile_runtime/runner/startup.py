@@ -62,7 +62,8 @@ class StartupTimes:
     compile: float = 0.0  # of which our backend: passes, split, compile or load the pieces
     saved_program: bool = False  # the first forward ran a saved program: no trace at all
     kv_cache: float = 0.0
-    graphs: float = 0.0  # CUDA graph capture
+    graphs: float = 0.0  # graph capture (CUDA graphs, or CPU graphs on a CPU)
+    graph_sizes: str = ""  # which sizes were captured in which mode (the capture report's)
     num_blocks: int = 0
     kv_cache_tokens: int = 0  # tokens the cache holds (the null block left out)
     kv_cache_bytes: int = 0
@@ -81,7 +82,7 @@ class StartupTimes:
             f"start-up {self.total:.2f} s: weights {self.weights:.2f} s, {model}, "
             f"KV cache {self.kv_cache:.2f} s ({self.kv_cache_bytes / 2**30:.2f} GiB, "
             f"{self.kv_cache_tokens} tokens in {self.num_blocks} blocks), "
-            f"CUDA graphs {self.graphs:.2f} s"
+            f"graphs {self.graphs:.2f} s" + (f" ({self.graph_sizes})" if self.graph_sizes else "")
         )
 
 

@@ -58,6 +58,12 @@ class ServerMetrics:
         self.steps = Counter(
             f"{PREFIX}_steps", "Engine steps, by CUDA graph runtime mode", ["mode"], registry=r
         )
+        self.unreplayed_steps = Counter(
+            f"{PREFIX}_unreplayed_steps",
+            "Steps that ran without a graph while graphs are on, by reason",
+            ["reason"],
+            registry=r,
+        )
         r.register(SchedulerTotals(engine.core.scheduler))
         self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
         engine.step_hooks.append(self.on_step)
@@ -82,6 +88,8 @@ class ServerMetrics:
         self.waiting.set(engine.num_waiting)
         self.kv_blocks.set(engine.core.num_blocks_in_use)
         self.steps.labels(mode=out.runtime_mode or "NONE").inc()
+        if out.unreplayed_reason:
+            self.unreplayed_steps.labels(reason=out.unreplayed_reason).inc()
 
     def refresh(self, engine: AsyncEngine) -> None:
         """Values that change between steps too (an abort frees blocks with no step after)."""

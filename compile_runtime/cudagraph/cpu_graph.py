@@ -1,0 +1,372 @@
+"""CPU graphs: a step's native calls recorded once per size, then replayed from a C loop.
+
+On a CPU a compiled step is a sequence of C calls (Inductor's kernels, our GEMV, AMX,
+quantized GEMM, embedding rows and paged decode attention) with Python around them: the
+Inductor/AOT wrappers, the split graph, ``cpu_linear``'s dispatch, the attention layer.
+``CPUGraph`` is the ``CapturedGraph`` of ``wrapper.py`` for the CPU: ``capture`` runs the
+step once with every native call recorded (function address and integer arguments), and
+``replay`` hands the whole list to ``graph_replay`` (``csrc/graph_replay.c``) in one
+ctypes call. The wrapper, dispatcher and start-up capture are the CUDA ones.
+
+What is recorded, and what refuses capture (``GraphCaptureUnsupported``, naming the op:
+that size then runs unreplayed, never a silent wrong answer):
+
+* Inductor kernels: every ``kernel`` of a compiled module in Inductor's code cache is
+  swapped for a recording proxy while capturing (its C symbol, loaded with ctypes, is what
+  replays). Tensor arguments become their addresses, ints stay ints; anything else refuses.
+* Our kernels: every ``NativeFunction`` call (``ops/native_function.py``).
+* Every other op goes through a dispatch mode: ops that only allocate or make views pass
+  (their results are kept alive by the graph); ``cpu_linear`` and ``quant_embedding`` run
+  their bodies under the same mode, so their inner ops are checked too; oneDNN's packed
+  linear (float linears above the GEMV's rows) and plain matmuls become a C callback into
+  torch whose result is copied where the capture's was; any other op that computes (a
+  copy, an all-reduce, ``.item()``) refuses.
+
+Memory: every tensor a recorded call touches, and every tensor made while capturing, is
+kept by the graph, so replays write where the capture wrote and nothing else can be given
+that memory. That is one pool per size (the CUDA pool's sharing between sizes is left out).
+Inputs are read at the addresses they had at capture: the wrapper checks them before every
+replay (``CPUGraphFactory.checks_addresses``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import types
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from compile_runtime.ops.native_function import NativeFunction, set_native_recorder
+
+logger = logging.getLogger(__name__)
+
+
+class GraphCaptureUnsupported(RuntimeError):
+    """A step cannot be captured into a CPU graph: it makes a call the replay cannot repeat."""
+
+
+# Ops that only allocate or view memory: what they make is kept, they need no replay.
+_NO_COMPUTE = frozenset(
+    {
+        "aten::view",
+        "aten::_unsafe_view",
+        "aten::reshape",
+        "aten::_reshape_alias",
+        "aten::as_strided",
+        "aten::t",
+        "aten::transpose",
+        "aten::permute",
+        "aten::slice",
+        "aten::select",
+        "aten::narrow",
+        "aten::unsqueeze",
+        "aten::squeeze",
+        "aten::expand",
+        "aten::alias",
+        "aten::detach",
+        "aten::split",
+        "aten::split_with_sizes",
+        "aten::unbind",
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
+
+
+_ALLOCATING = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
+# Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
+# linear: float linears above the GEMV's rows): their result is copied into the tensor the
+# capture returned, which the later calls read.
+_CALLED_BACK = frozenset({"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"})
+# Ops that return their input itself when it already has the dtype or layout asked for.
+_MAYBE_NO_COMPUTE = frozenset({"aten::to", "aten::contiguous"})
+
+
+@functools.cache
+def _op_bodies() -> dict[str, Callable[..., Any]]:
+    """Our custom ops whose bodies call NativeFunctions: run under the recording mode."""
+    from compile_runtime.ops.cpu_linear import OP_NAME as LINEAR
+    from compile_runtime.ops.cpu_linear import cpu_linear_impl
+    from compile_runtime.ops.cpu_quant_embedding import OP_NAME as EMBEDDING
+    from compile_runtime.ops.cpu_quant_embedding import quant_embedding_impl
+
+    return {LINEAR: cpu_linear_impl, EMBEDDING: quant_embedding_impl}
+
+
+@functools.cache
+def _replay_library() -> tuple[ctypes._CFuncPtr, int] | None:
+    """``graph_replay`` and its argument limit, or None (no C compiler here)."""
+    from compile_runtime.ops.c_library import load_c_library
+
+    lib = load_c_library("graph_replay", "CPU graph replay")
+    if lib is None:
+        return None
+    return lib.function("graph_replay"), lib.function("graph_max_args")()
+
+
+def cpu_graphs_available() -> bool:
+    """Whether this machine can replay CPU graphs (the replay loop builds here)."""
+    return _replay_library() is not None
+
+
+_CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
+
+
+def _is_inductor_kernel(value: Any) -> bool:
+    return (
+        type(value) is types.BuiltinFunctionType
+        and value.__name__ == "kernel"
+        and getattr(value.__self__, "__file__", "").endswith(".so")
+    )
+
+
+@functools.cache
+def _c_symbol(path: str) -> int:
+    """The address of the C ``kernel`` an Inductor module's Python binding calls."""
+    return ctypes.cast(ctypes.CDLL(path).kernel, ctypes.c_void_p).value
+
+
+class _Recorder:
+    """The native calls of one capture, in order, and every tensor they may touch."""
+
+    def __init__(self, max_args: int) -> None:
+        self.max_args = max_args
+        self.calls: list[tuple[int, list[int], str]] = []  # (address, arguments, name)
+        self.kept: dict[int, torch.Tensor] = {}  # by id: alive as long as the graph
+        self.made: dict[int, int] = {}  # storages allocated while capturing: address -> bytes
+        self.callbacks: list[Any] = []  # the C callbacks into torch (kept: the loop calls them)
+        self.callback_failures: list[BaseException] = []
+
+    def keep(self, value: Any, made: bool = False) -> None:
+        if isinstance(value, torch.Tensor):
+            self.kept[id(value)] = value
+            if made:
+                storage = value.untyped_storage()
+                self.made[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                self.keep(v)
+
+    def _add(self, address: int, args: list[int], name: str) -> None:
+        if len(args) > self.max_args:
+            raise GraphCaptureUnsupported(
+                f"{name} takes {len(args)} arguments; the replay loop passes at most "
+                f"{self.max_args}"
+            )
+        self.calls.append((address, args, name))
+
+    def record_native(self, function: NativeFunction, args: tuple[Any, ...]) -> None:
+        values = []
+        for i, a in enumerate(args):
+            if a is None:
+                values.append(0)
+            elif isinstance(a, (int, np.integer)):
+                values.append(int(a))
+            else:
+                raise GraphCaptureUnsupported(
+                    f"{function.name}: argument {i} is a {type(a).__name__}, not an int or a "
+                    "pointer"
+                )
+        self._add(function.address, values, function.name)
+
+    def call_back(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
+        """A replay calls ``func`` again through a C callback and copies its result into
+        ``out`` (the tensor the later calls were recorded reading)."""
+        self.keep(args)
+        failures = self.callback_failures
+
+        def again(_: int) -> None:
+            try:
+                out.copy_(func(*args, **kwargs))
+            except BaseException as e:  # noqa: BLE001 - raised after the replay, not lost
+                failures.append(e)
+
+        callback = _CALLBACK_TYPE(again)
+        self.callbacks.append(callback)
+        self._add(ctypes.cast(callback, ctypes.c_void_p).value, [0], f"callback {func}")
+
+    def allocation_proxy(self, allocate: Callable[..., torch.Tensor]) -> Callable[..., Any]:
+        def call(*args: Any) -> torch.Tensor:
+            out = allocate(*args)
+            self.keep(out, made=True)
+            return out
+
+        return call
+
+    def inductor_proxy(self, builtin: Any) -> Callable[..., Any]:
+        path = builtin.__self__.__file__
+        name = f"Inductor kernel {os.path.basename(path)}"
+
+        def call(*args: Any) -> Any:
+            values = []
+            for i, a in enumerate(args):
+                if isinstance(a, torch.Tensor):
+                    self.keep(a)
+                    values.append(a.data_ptr())
+                elif isinstance(a, int):
+                    values.append(a)
+                else:
+                    raise GraphCaptureUnsupported(
+                        f"{name}: argument {i} is a {type(a).__name__}; the replay passes "
+                        "tensors and ints only"
+                    )
+            self._add(_c_symbol(path), values, name)
+            return builtin(*args)
+
+        return call
+
+
+class _RecordingMode(TorchDispatchMode):
+    """Lets through ops that allocate or view (keeping what they make), runs our custom ops'
+    bodies under itself, and refuses every other op."""
+
+    def __init__(self, recorder: _Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = func._schema.name
+        body = _op_bodies().get(name)
+        made = False
+        if body is not None:
+            with self:
+                out = body(*args, **kwargs)
+        elif name in _NO_COMPUTE:
+            out = func(*args, **kwargs)
+            made = name in _ALLOCATING
+        elif name in _MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
+            pass  # asked of a tensor that already is what was asked for: itself, no copy
+        elif name in _CALLED_BACK:
+            out = func(*args, **kwargs)
+            self.recorder.call_back(func, args, kwargs, out)
+        else:
+            raise GraphCaptureUnsupported(
+                f"{func} computes in torch, not through a recorded native call, so a replay "
+                "would skip it"
+            )
+        self.recorder.keep(out, made)
+        return out
+
+
+@contextmanager
+def _recording(recorder: _Recorder) -> Iterator[None]:
+    """Every native call of the block goes to ``recorder``; every patch undone after."""
+    from torch._inductor.codecache import PyCodeCache
+
+    swapped = []
+    for module in list(PyCodeCache.modules):
+        for name, value in list(vars(module).items()):
+            if _is_inductor_kernel(value):
+                swapped.append((module, name, value))
+                setattr(module, name, recorder.inductor_proxy(value))
+            elif name == "empty_strided_cpu":  # Inductor's allocations: counted as the pool's
+                swapped.append((module, name, value))
+                setattr(module, name, recorder.allocation_proxy(value))
+    previous = set_native_recorder(recorder)
+    try:
+        with _RecordingMode(recorder):
+            yield
+    finally:
+        set_native_recorder(previous)
+        for module, name, value in swapped:
+            setattr(module, name, value)
+
+
+class CPUGraph:
+    """One captured step: its native calls as three arrays, replayed by one C call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, list[int], str]] = []
+        self.kept: list[torch.Tensor] = []
+        self.nbytes = 0  # of the storages made while capturing: the graph's own memory
+        self.callbacks: list[Any] = []
+        self._failures: list[BaseException] = []
+        self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._replay_args: tuple[int, int, int, int] | None = None
+
+    def capture(self, fn: Callable[[], Any], pool: Any) -> Any:
+        library = _replay_library()
+        if library is None:
+            raise GraphCaptureUnsupported("no C compiler here to build the replay loop")
+        recorder = _Recorder(library[1])
+        with _recording(recorder):
+            outputs = fn()
+        recorder.keep(outputs)
+        self.calls = recorder.calls
+        self.kept = list(recorder.kept.values())
+        self.nbytes = sum(recorder.made.values())
+        self.callbacks = recorder.callbacks
+        self._failures = recorder.callback_failures
+        fns = np.array([address for address, _, _ in self.calls], dtype=np.uint64)
+        nargs = np.array([len(args) for _, args, _ in self.calls], dtype=np.int64)
+        flat = np.array([a for _, args, _ in self.calls for a in args], dtype=np.int64)
+        self._arrays = (fns, nargs, flat)  # alive as long as the graph: the loop reads them
+        self._replay_args = (fns.ctypes.data, nargs.ctypes.data, flat.ctypes.data, len(fns))
+        if pool is not None:
+            pool.add(self)
+        return outputs
+
+    def replay(self) -> None:
+        done = _replay_library()[0](*self._replay_args)
+        if done != len(self.calls):  # pragma: no cover - the recorder checks the limit first
+            raise RuntimeError(f"CPU graph replay stopped at call {done} of {len(self.calls)}")
+        if self._failures:  # a callback into torch failed: this replay's outputs are wrong
+            error = self._failures.pop()
+            self._failures.clear()
+            raise RuntimeError(f"a CPU graph's callback into torch failed: {error}") from error
+
+
+class CPUGraphPool:
+    """What a CUDA graph pool is for accounting: the live graphs of one factory, their memory."""
+
+    def __init__(self) -> None:
+        self.graphs: weakref.WeakSet[CPUGraph] = weakref.WeakSet()
+
+    def add(self, graph: CPUGraph) -> None:
+        self.graphs.add(graph)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(g.nbytes for g in self.graphs)
+
+
+class CPUGraphFactory:
+    """The ``GraphFactory`` of CPU graphs (``wrapper.py``)."""
+
+    # A CPU capture runs the step (a CUDA capture only records it): no replay after it.
+    capture_runs_work = True
+    # Replays read inputs where the capture found them: checked before every replay.
+    checks_addresses = True
+
+    def __init__(self) -> None:
+        self._pool = CPUGraphPool()
+
+    def new_graph(self) -> CPUGraph:
+        return CPUGraph()
+
+    def pool(self) -> CPUGraphPool:
+        return self._pool
+
+
+CPU_GRAPHS = CPUGraphFactory()
