@@ -1,7 +1,7 @@
 """Small C kernels for CPUs: compiled on first use for this CPU, cached, loaded with ctypes.
 
 The runtime's hand-written CPU kernels (paged decode attention, the GEMV, the AMX and
-quantized linear layers) are plain C with OpenMP in ``compile_runtime/csrc/``: no torch
+quantized linear layers, the CPU graphs' replay loop) are plain C with OpenMP in ``compile_runtime/csrc/``: no torch
 headers, so a build takes about a second, not the minute a torch extension takes. A
 library ``name`` is ``csrc/<name>.c`` and the files it includes with quotes: its header
 ``<name>.h``, which declares each exported function once (the C is checked against it, and
@@ -110,7 +110,7 @@ def _build(compiler: str, name: str, inputs: dict[str, bytes], path: str) -> Non
         for file, content in inputs.items():
             with open(os.path.join(tmp, file), "wb") as f:
                 f.write(content)
-        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, "kernel.so")
+        src, lib = os.path.join(tmp, f"{name}.c"), os.path.join(tmp, f"{name}.so")
         subprocess.run(
             [compiler, *FLAGS, src, "-o", lib, "-lm"], check=True, capture_output=True, text=True
         )
