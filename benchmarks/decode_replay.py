@@ -9,8 +9,12 @@ replays it from C. This measures, on the real model, at batch 1 and batch 8, in 
   checks, then the C loop over the recorded calls);
 * ``native calls alone``: the captured graph's C loop called directly, nothing around it:
   the floor of this design, what the kernels themselves take;
-* ``outside the forward``: the rest of a decode step (scheduler, inputs, attention
-  metadata, logits, sampling, outputs): the generate call's time per step less the forward.
+  timed with the pause a step leaves between forwards (the weights then come back from
+  memory, as in a step), and back to back (on a CPU whose cache holds the weights, faster
+  than any step can be);
+* ``logits``: the LM head on the sampled rows (outside the graph);
+* ``rest of the step``: scheduler, inputs, attention metadata, sampling, outputs: the
+  generate call's time per step less the forward and the logits.
 
 Medians over the decode steps of a ``--tokens`` generation (the native loop: as many calls).
 Both engines' greedy tokens are compared (they must be equal).
@@ -64,17 +68,30 @@ def measure(llm: cr.LLM, batch: int, tokens: int) -> dict:
             forward_s.append(elapsed)
         return out
 
+    model = runner.model
+    compute_logits = model.compute_logits
+    logits_s: list[float] = []
+
+    def timed_logits(hidden):
+        start = time.perf_counter()
+        out = compute_logits(hidden)
+        logits_s.append(time.perf_counter() - start)
+        return out
+
+    model.compute_logits = timed_logits
     object.__setattr__(plan, "forward_model", timed)  # the plan is a frozen dataclass
     prompts = [[1000 + 17 * i + j for j in range(16)] for i in range(batch)]
     params = cr.SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     try:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         forward_s.clear()
+        logits_s.clear()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         total = time.perf_counter() - start
     finally:
         object.__setattr__(plan, "forward_model", forward)
+        del model.compute_logits
     steps = tokens - 1  # one prefill, then decode steps
     forward_s = forward_s[-steps:]
     result = {
@@ -82,15 +99,22 @@ def measure(llm: cr.LLM, batch: int, tokens: int) -> dict:
         "step_ms": 1e3 * total / tokens,
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
-    result["outside_forward_ms"] = 1e3 * (total - sum(forward_s)) / tokens
+    result["logits_ms"] = 1e3 * statistics.median(logits_s)
+    result["outside_forward_ms"] = 1e3 * (total - sum(forward_s) - sum(logits_s)) / tokens
     if isinstance(forward, CUDAGraphWrapper):
         entry = next(e for d, e in forward.entries.items() if d.num_tokens == padded)
-        loop_s = []
-        for _ in range(len(forward_s)):
-            start = time.perf_counter()
-            entry.graph.replay()
-            loop_s.append(time.perf_counter() - start)
-        result["native_ms"] = 1e3 * statistics.median(loop_s)
+        # The loop alone with the gap a step leaves between forwards (the weights come back
+        # from memory, as in a step), and back to back (they stay in this CPU's cache).
+        gap = (total - sum(forward_s)) / tokens
+        for key, pause in (("native_ms", gap), ("native_warm_ms", 0.0)):
+            loop_s = []
+            for _ in range(len(forward_s)):
+                if pause:
+                    time.sleep(pause)
+                start = time.perf_counter()
+                entry.graph.replay()
+                loop_s.append(time.perf_counter() - start)
+            result[key] = 1e3 * statistics.median(loop_s)
         result["native_calls"] = len(entry.graph.calls)
     return result
 
@@ -131,7 +155,9 @@ def main() -> None:
                 round(unrep["forward_ms"], 2),
                 round(rep["forward_ms"], 2),
                 round(rep["native_ms"], 2),
+                round(rep["native_warm_ms"], 2),
                 f"{rep['forward_ms'] / rep['native_ms']:.2f}x",
+                round(rep["logits_ms"], 2),
                 round(rep["outside_forward_ms"], 2),
                 round(1e3 / rep["step_ms"] * batch, 1),
                 round(1e3 / unrep["step_ms"] * batch, 1),
@@ -147,8 +173,10 @@ def main() -> None:
                 "forward unreplayed ms",
                 "forward replayed ms",
                 "native calls alone ms",
+                "same, back to back ms",
                 "replayed / native",
-                "outside forward ms",
+                "logits ms",
+                "rest of the step ms",
                 "tok/s replayed",
                 "tok/s unreplayed",
                 "tokens equal",
