@@ -3,7 +3,8 @@
 * ``base``: what a backend declares, and ``AttentionImpl.forward``, the one owner of the
   step's cache write and of the output's padding rows (impls only ``compute``);
 * ``torch_native``: the per-request reference every other backend is tested against;
-* ``cpu_batched`` (+ ``cpu_decode_kernel``, its C decode kernel): the CPU default;
+* ``cpu_batched`` (+ ``cpu_batched_plan``, its host plan, and ``cpu_decode_kernel``, its C
+  decode kernel): the CPU default;
 * ``triton_attn`` (+ ``triton_kernel``): one kernel for mixed batches, FULL graphs always;
 * ``flashinfer_attn``: FlashInfer's wrappers, planned once per step.
 """

@@ -179,6 +179,13 @@ class CudagraphDispatcher:
                 return mode, self._mixed_desc[self._mixed_pad[num_tokens]]
         return NONE, BatchDescriptor(num_tokens)
 
+    def unreplayed_reason(self, num_tokens: int) -> str:
+        """Why a batch of ``num_tokens`` that ``dispatch`` gave NONE runs without a graph."""
+        largest = max((d.num_tokens for keys in self.keys.values() for d in keys), default=0)
+        if num_tokens > largest:
+            return "above the largest captured size"
+        return "no captured graph for this kind of batch"
+
     def discard(self, mode: CUDAGraphMode, descriptor: BatchDescriptor) -> None:
         """Forget the ``mode`` graph of ``descriptor`` (its capture was refused): its batches
         pad to the next size of the same kind, or take the other mode, or run unreplayed."""

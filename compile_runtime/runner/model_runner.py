@@ -66,6 +66,7 @@ from compile_runtime.runner.startup import (
 from compile_runtime.runner.step_inputs import (
     StepBuffers,
     capture_query_lens,
+    check_token_ids,
     flatten_step,
     logits_rows,
     query_start_loc,
@@ -121,16 +122,11 @@ class ModelRunner:
             quantization=self.config.quantization,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
-        # On a CPU the graphs are CPU graphs (recorded native calls replayed from C): the
-        # pieces are wrapped for them at the first forward.
+        # On a CPU, CPU graphs (native calls replayed from C): pieces wrapped at first forward.
         self.graph_factory: GraphFactory | None = None
-        if (
-            self.device.type == "cpu"
-            and compilation_config.cudagraph_mode != CUDAGraphMode.NONE
-            and cpu_graphs_available()
-        ):
-            self.graph_factory = CPU_GRAPHS
-            set_graph_factory(self.model, CPU_GRAPHS)
+        if self.device.type == "cpu" and compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
+            self.graph_factory = CPU_GRAPHS if cpu_graphs_available() else None
+            set_graph_factory(self.model, self.graph_factory)
         # The engine sized these already; a runner built directly fills them here.
         size_runner_config(self.config, self.model.config, dtype, self.device, self.tp_size)
         self.layers = attention_layers(self.model)
@@ -269,24 +265,6 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------
 
-    def _unreplayed_reason(self, num_tokens: int, uniform_decode: bool) -> str:
-        largest = max((d.num_tokens for _, d in self.dispatcher.capture_descriptors()), default=0)
-        if num_tokens > largest:
-            return "above the largest captured size"
-        return "no captured graph for this kind of batch"
-
-    def _check_token_ids(self, token_ids: np.ndarray) -> None:
-        """Ids outside the vocabulary are an error before the forward: a kernel reading the
-        embedding table (a replayed one above all) would read outside it."""
-        if self.vocab_size is None or not token_ids.size:
-            return
-        low, high = int(token_ids.min()), int(token_ids.max())
-        if low < 0 or high >= self.vocab_size:
-            raise ModelRunnerError(
-                f"token id {low if low < 0 else high} is outside the vocabulary of "
-                f"{self.vocab_size}; check the prompt's token ids"
-            )
-
     def _update_states(self, so: SchedulerOutput) -> None:
         batch = self.input_batch
         for req_id in so.finished_req_ids:
@@ -327,9 +305,9 @@ class ModelRunner:
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
         unreplayed = None
         if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
-            unreplayed = self._unreplayed_reason(total, uniform_decode)
+            unreplayed = self.dispatcher.unreplayed_reason(total)
             self.unreplayed[unreplayed] += 1
-        self._check_token_ids(step.token_ids)
+        check_token_ids(step.token_ids, self.vocab_size)
         padded = descriptor.num_tokens
         self.buffers.load(step, padded)
         metadata = build_metadata(

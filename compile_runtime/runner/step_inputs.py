@@ -148,6 +148,23 @@ def flatten_step(
     )
 
 
+class TokenIdError(ValueError):
+    """A step's token id lies outside the vocabulary."""
+
+
+def check_token_ids(token_ids: np.ndarray, vocab_size: int | None) -> None:
+    """Ids outside the vocabulary are an error before the forward: a kernel reading the
+    embedding table (a replayed one above all) would read outside it."""
+    if vocab_size is None or not token_ids.size:
+        return
+    low, high = int(token_ids.min()), int(token_ids.max())
+    if low < 0 or high >= vocab_size:
+        raise TokenIdError(
+            f"token id {low if low < 0 else high} is outside the vocabulary of {vocab_size}; "
+            "check the prompt's token ids"
+        )
+
+
 def _counts(by_req: dict[str, int], req_ids: list[str]) -> np.ndarray:
     return np.fromiter((by_req[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
