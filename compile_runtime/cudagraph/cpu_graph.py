@@ -132,6 +132,23 @@ def cpu_graphs_available() -> bool:
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
 
+def records_cpu_graphs(config: Any) -> bool:
+    """Whether a model compiled with ``config`` gets CPU graphs: graphs asked for, pieces
+    compiled by Inductor (eager pieces are torch ops, which a replay cannot repeat: every
+    capture would be refused), and the replay loop built here."""
+    from compile_runtime.config import CompilationMode, CUDAGraphMode
+
+    if config.cudagraph_mode == CUDAGraphMode.NONE or not cpu_graphs_available():
+        return False
+    if config.mode == CompilationMode.NONE or config.backend != "inductor":
+        logger.info(
+            "no CPU graphs: they replay Inductor's kernels, and this model runs %s",
+            "uncompiled" if config.mode == CompilationMode.NONE else "eager pieces",
+        )
+        return False
+    return True
+
+
 def _is_inductor_kernel(value: Any) -> bool:
     return (
         type(value) is types.BuiltinFunctionType

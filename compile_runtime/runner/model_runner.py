@@ -32,7 +32,7 @@ from compile_runtime.compiler.decorator import backend_seconds, set_graph_factor
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
-from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, cpu_graphs_available
+from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, records_cpu_graphs
 from compile_runtime.cudagraph.dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
@@ -124,9 +124,9 @@ class ModelRunner:
         self.startup = StartupTimes(weights=time.perf_counter() - start)
         # On a CPU, CPU graphs (native calls replayed from C): pieces wrapped at first forward.
         self.graph_factory: GraphFactory | None = None
-        if self.device.type == "cpu" and compilation_config.cudagraph_mode != CUDAGraphMode.NONE:
-            self.graph_factory = CPU_GRAPHS if cpu_graphs_available() else None
-            set_graph_factory(self.model, self.graph_factory)
+        if self.device.type == "cpu" and records_cpu_graphs(compilation_config):
+            self.graph_factory = CPU_GRAPHS
+            set_graph_factory(self.model, CPU_GRAPHS)
         # The engine sized these already; a runner built directly fills them here.
         size_runner_config(self.config, self.model.config, dtype, self.device, self.tp_size)
         self.layers = attention_layers(self.model)
