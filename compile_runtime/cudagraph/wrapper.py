@@ -265,7 +265,10 @@ class CUDAGraphWrapper:
                 "descriptors the dispatcher lists; a batch with another descriptor means the "
                 "dispatcher and the captured graphs disagree"
             )
-        for _ in range(self.num_warmups):
+        # A CPU capture runs the step for real after start-up's first forward has warmed every
+        # path up: warm-ups would only double its time (anything lazy left refuses capture).
+        warmups = 0 if getattr(self.factory, "capture_runs_work", False) else self.num_warmups
+        for _ in range(warmups):
             self.runnable(*args, **kwargs)
         addresses = self._addresses(args, kwargs) if self.debug else None
         graph = self.factory.new_graph()
