@@ -54,8 +54,18 @@ class GraphCaptureUnsupported(RuntimeError):
     """A step cannot be captured into a CPU graph: it makes a call the replay cannot repeat."""
 
 
+# Ops that allocate: what they make is the graph's own memory (its pool).
+_ALLOCATING = frozenset(
+    {
+        "aten::empty",
+        "aten::empty_strided",
+        "aten::empty_like",
+        "aten::new_empty",
+        "aten::new_empty_strided",
+    }
+)
 # Ops that only allocate or view memory: what they make is kept, they need no replay.
-_NO_COMPUTE = frozenset(
+_NO_COMPUTE = _ALLOCATING | frozenset(
     {
         "aten::view",
         "aten::_unsafe_view",
@@ -76,22 +86,6 @@ _NO_COMPUTE = frozenset(
         "aten::split",
         "aten::split_with_sizes",
         "aten::unbind",
-        "aten::empty",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::new_empty",
-        "aten::new_empty_strided",
-    }
-)
-
-
-_ALLOCATING = frozenset(
-    {
-        "aten::empty",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::new_empty",
-        "aten::new_empty_strided",
     }
 )
 # Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
