@@ -176,7 +176,7 @@ class _Recorder:
                 self.made[storage.data_ptr()] = storage.nbytes()
         elif isinstance(value, (tuple, list)):
             for v in value:
-                self.keep(v)
+                self.keep(v, made)
 
     def _add(self, address: int, args: list[int], name: str) -> None:
         if len(args) > self.max_args:
