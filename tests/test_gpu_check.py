@@ -148,7 +148,7 @@ def test_a_pytest_step_cut_at_its_limit_still_prints_its_summary(run_check, tmp_
         GPU_CHECK_DEVICE="cpu",
         GPU_CHECK_STEPS="pytest_a",
         GPU_CHECK_PYTEST=str(tests / "test_cut.py"),
-        GPU_CHECK_BUDGET="40",
+        GPU_CHECK_BUDGET="60",
         GPU_CHECK_MIN_STEP="5",
     )
     assert result.returncode == 1, explain(result)
