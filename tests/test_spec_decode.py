@@ -388,7 +388,9 @@ def simulate_full_graphs_on_cpu(monkeypatch) -> None:
 
     wrap, resolve = cudagraph_plan.wrap_full_model, CompilationConfig.resolve
     monkeypatch.setattr(
-        cudagraph_plan, "wrap_full_model", lambda m, c: wrap(m, c, graph_factory=RerunFactory())
+        cudagraph_plan,
+        "wrap_full_model",
+        lambda m, c, **_: wrap(m, c, graph_factory=RerunFactory()),
     )
     monkeypatch.setattr(cudagraph_plan, "min_cg_support", lambda _: AttentionCGSupport.ALWAYS)
     monkeypatch.setattr(

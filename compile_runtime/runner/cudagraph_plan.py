@@ -61,6 +61,5 @@ def plan_cudagraphs(
     dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len)
     forward_model = model.model
     if modes.cudagraph_mode.has_full_cudagraphs():
-        extra = {} if graph_factory is None else {"graph_factory": graph_factory}
-        forward_model = wrap_full_model(forward_model, config, **extra)
+        forward_model = wrap_full_model(forward_model, config, graph_factory=graph_factory)
     return CudaGraphPlan(modes=modes, dispatcher=dispatcher, forward_model=forward_model)
