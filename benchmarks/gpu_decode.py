@@ -129,6 +129,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=max(512, largest * PROMPT_LEN),
         max_model_len=max(128, PROMPT_LEN + args.max_tokens),
         device=args.device,
+        dtype="float32",  # as transformers' side; "auto" would pick bf16 on a GPU
     )
 
 
