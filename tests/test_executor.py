@@ -50,6 +50,15 @@ def assert_gone(pids: list[int]) -> None:
 def test_tp2_inductor_matches_tp1_with_one_trace_per_rank(model_dirs, session_cache_dir):
     model_dir = model_dirs("llama")
     llm = LLM(model_dir, {"backend": "inductor"}, tensor_parallel_size=2, **RUNNER)
+    modes = []
+    step = llm.core.step
+
+    def spy():
+        out = step()
+        modes.append(out.runtime_mode)
+        return out
+
+    llm.core.step = spy
     try:
         tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
         infos = llm.executor.workers_info
@@ -58,8 +67,13 @@ def test_tp2_inductor_matches_tp1_with_one_trace_per_rank(model_dirs, session_ca
         llm.shutdown()
     assert_gone(pids)
     assert tokens == tp1_tokens(model_dir)
+    # Each rank replays CPU graphs: the all-reduce is a recorded call back into torch, so
+    # every size is captured on both ranks, and every step (prefill, then decode) ran in one.
+    assert modes[0] == "PIECEWISE" and set(modes[1:]) == {"FULL"}
     layers = 2
     for info in infos:
+        assert "CPU FULL 1, 2, 4" in info.startup.graph_sizes
+        assert "not captured" not in info.startup.graph_sizes
         # One Dynamo trace per rank; the all-reduces stay inside pieces (only attention splits).
         assert info.counters["num_graphs_seen"] == 1
         assert info.counters["num_piecewise_graphs_seen"] == 2 * layers + 1

@@ -19,8 +19,9 @@ that size then runs unreplayed, never a silent wrong answer):
   (their results are kept alive by the graph); ``cpu_linear`` and ``quant_embedding`` run
   their bodies under the same mode, so their inner ops are checked too; oneDNN's packed
   linear (float linears above the GEMV's rows) and plain matmuls become a C callback into
-  torch whose result is copied where the capture's was; any other op that computes (a
-  copy, an all-reduce, ``.item()``) refuses.
+  torch whose result is copied where the capture's was; so is tensor parallelism's in-place
+  all-reduce and its wait (every rank replays its collectives in its capture's order); any
+  other op that computes (a copy, ``.item()``) refuses.
 
 Memory: every tensor a recorded call touches, and every tensor made while capturing, is
 kept by the graph, so replays write where the capture wrote and nothing else can be given
@@ -91,7 +92,17 @@ _NO_COMPUTE = _ALLOCATING | frozenset(
 # Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
 # linear: float linears above the GEMV's rows): their result is copied into the tensor the
 # capture returned, which the later calls read.
-_CALLED_BACK = frozenset({"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm"})
+# The tensor-parallel all-reduce (in place, as Inductor lowers it) and its wait are called back
+# too: each rank's replay runs the collective where its capture did, in the same order.
+_CALLED_BACK = frozenset(
+    {
+        "mkldnn::_linear_pointwise",
+        "aten::mm",
+        "aten::addmm",
+        "_c10d_functional::all_reduce_",
+        "_c10d_functional::wait_tensor",
+    }
+)
 # Ops that return their input itself when it already has the dtype or layout asked for.
 _MAYBE_NO_COMPUTE = frozenset({"aten::to", "aten::contiguous"})
 
@@ -208,7 +219,9 @@ class _Recorder:
 
         def again(_: int) -> None:
             try:
-                out.copy_(func(*args, **kwargs))
+                result = func(*args, **kwargs)
+                if result is not out:  # an in-place op (the all-reduce) returns ``out`` itself
+                    out.copy_(result)
             except BaseException as e:  # noqa: BLE001 - raised after the replay, not lost
                 failures.append(e)
 
