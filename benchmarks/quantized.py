@@ -10,8 +10,9 @@ llama.cpp's on the same file (tokens equal before the first difference).
     python benchmarks/quantized.py [--files q8_0 q4_1] [--sides ours llamacpp]
         [--tokens 128] [--repeats 3] [--ours-options JSON] [--out results/quantized.json]
 
-Ours runs ``cr.LLM(file)`` with its defaults (``dtype="auto"``: bf16 on this CPU,
-``quantization="auto"``: the file's Q8_0/Q4_1 kept) plus ``--ours-options``.
+Ours runs ``cr.LLM(file)`` with its defaults (``dtype="auto"``: bf16 on a CPU with
+AVX512-BF16 or AMX, float32 on one without; ``quantization="auto"``: the file's Q8_0/Q4_1
+kept) plus ``--ours-options``; the JSON records the dtype it ran in.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ FILES = {
     "q8_0": os.path.join(GGUF, "smollm2-135m-q8_0.gguf"),
     "q4_1": os.path.join(GGUF, "smollm2-135m-q4_1.gguf"),
 }
-PRECISION = {"ours": "bf16"}  # the worker's dtype for ours; llama.cpp's is the file's
 
 
 def prompt(seed: int = 0, length: int = 32) -> list[int]:
@@ -52,7 +52,9 @@ def measure(side: str, quant: str, args) -> dict:
     options = json.loads(args.ours_options) if side == "ours" else {}
     if side == "ours":
         options = {"max_num_seqs": 1, "max_model_len": 512, **options}
-    worker = Worker(side, PRECISION.get(side, quant), FILES[quant], options)
+    # The file's precision on both sides: for ours that leaves dtype at "auto" (bf16 where the
+    # CPU has AVX512-BF16/AMX, else float32), as a user's cr.LLM(file) gets it.
+    worker = Worker(side, quant, FILES[quant], options)
     try:
         requests = [(prompt(), args.tokens)]
         tokens, _ = worker.run(requests)  # warm-up

@@ -75,11 +75,15 @@ def dense_reference(
     return torch.cat(outs)
 
 
-def run_backend(name: str, batch: PagedBatch, spec: AttentionSpec, **build_kwargs):
-    """Output and cache after one step of backend ``name`` on a copy of the batch's cache."""
+def run_backend(
+    name: str, batch: PagedBatch, spec: AttentionSpec, uniform_query_len: int = 1, **build_kwargs
+):
+    """Output and cache after one step of backend ``name`` on a copy of the batch's cache
+    (``uniform_query_len``: the uniform decode's query tokens a request, as the runner sets)."""
     backend = load_backend(name)
     block_size = batch.kv_cache.shape[2]
     builder = backend.make_builder(spec, block_size, max_num_reqs=16, device="cpu")
+    builder.uniform_decode_query_len = uniform_query_len
     metadata = builder.build(
         batch.query_start_loc_cpu,
         batch.seq_lens_cpu,
@@ -658,6 +662,32 @@ def test_cpu_decode_kernel_equals_torch_ops(monkeypatch, heads, kv_heads, head_s
         if dtype == torch.bfloat16:  # rounding once at the end, not at every op
             ops_error = (torch_ops[: batch.num_actual_tokens].double() - ref).abs().max()
             assert kernel_error <= ops_error
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_decode_kernel_takes_speculative_verify_batches(monkeypatch, dtype):
+    """1 + k query tokens a request (speculative decoding's verify step, the FULL graph's
+    batch): the C kernel takes the whole uniform batch, each query seeing the keys up to its
+    own position, and agrees with the torch path (SDPA, causal mask) and the reference."""
+    from compile_runtime.backends.attention import cpu_batched
+
+    batch = make_paged_batch(
+        [3, 3, 3], [70, 0, 14], num_heads=9, num_kv_heads=3, head_size=64, block_size=16,
+        num_padding=3, seed=7, dtype=dtype,
+    )  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for window in (None, 2, 7):
+        spec = AttentionSpec(9, 3, 64, 0.125, sliding_window=window)
+        with monkeypatch.context() as m:  # the kernel takes it all: no SDPA call
+            m.setattr(cpu_batched.CPUBatchedImpl, "_prefill", None)
+            with_kernel, cache_k = run_backend("cpu_batched", batch, spec, uniform_query_len=3)
+        torch_ops, cache_t = run_backend("cpu_batched", batch, spec)  # 3 is a chunk here
+        real = batch.num_actual_tokens
+        assert (with_kernel[:real].float() - torch_ops[:real].float()).abs().max() < tolerance
+        assert torch.equal(with_kernel[real:], torch.zeros_like(with_kernel[real:]))
+        assert torch.equal(cache_k[:, 1:], cache_t[:, 1:])
+        ref = dense_reference(batch, 0.125, window)
+        assert (with_kernel[:real].double() - ref).abs().max() < tolerance
 
 
 def test_cpu_decode_kernel_without_a_compiler_falls_back(monkeypatch, tmp_path):

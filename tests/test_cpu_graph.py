@@ -214,3 +214,33 @@ def test_an_op_that_computes_in_torch_refuses_capture_by_name():
     a = torch.randn(4)
     with pytest.raises(cpu_graph.GraphCaptureUnsupported, match=r"aten\.add"):
         cpu_graph.CPUGraph().capture(lambda: a + 1, None)
+
+
+def test_speculative_verify_steps_replay_full_graphs_of_1_plus_k_tokens(model_dirs, tmp_path):
+    """Speculative decoding's uniform batches (1 + k tokens a request) get FULL CPU graphs: the
+    copier (tests/copier.py) drafts k tokens every step, so its decode steps replay them,
+    two requests at once too, with the tokens of the unreplayed engine and of the copy."""
+    from copier import copy_prompt, make_copier_dir, orbit
+
+    model_dir, f = make_copier_dir(model_dirs("llama"), str(tmp_path / "copier"))
+    k = 2
+    spec = {"method": "ngram", "num_speculative_tokens": k}
+    prompts = [copy_prompt(f), copy_prompt(f)[1:]]
+    params = cr.SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = {}
+    for mode in ("NONE", None):
+        llm = _engine(model_dir, mode, speculative_config=spec)
+        if mode is None:
+            forward = _full_wrapper(llm)
+            full = llm.executor.driver_runner.capture_report.sizes["FULL"]
+            assert {1 + k, 2 * (1 + k)} <= set(full)
+            before = forward.num_replays
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        outputs[mode] = [list(o.outputs[0].token_ids) for o in outs]
+        if mode is None:
+            uniform_steps = llm.workload.decode[1 + k] + llm.workload.decode[2 * (1 + k)]
+            assert uniform_steps >= 5
+            assert forward.num_replays - before == uniform_steps
+        llm.shutdown()
+    assert outputs[None] == outputs["NONE"]
+    assert outputs[None] == [orbit(f, f[p[-1]], 24) for p in prompts]

@@ -96,17 +96,17 @@ class CPUBatchedImpl(AttentionImpl):
     ) -> int:
         plan: BatchedPlan = metadata.backend_state
         kernel = None
-        if plan.decode is not None and _kernel_takes(
+        if (plan.decode is not None or plan.uniform_query_len) and _kernel_takes(
             self.spec, query, key, value, output, kv_cache
         ):
             kernel = load_decode_kernel()
         step = None if kernel is None else self._step_args(plan, kv_cache, metadata, key.shape[0])
         if step is not None:
             self._decode_kernel(kernel, query, key, value, kv_cache, step, output)
-            if metadata.uniform_decode and plan.prefill is None:
-                # Every (padded) request's row is written, padded ones with zeros: no rows
-                # left for forward() to zero, so a CPU graph records one call per layer.
-                return min(step[-1], output.shape[0])
+            if plan.uniform_query_len:
+                # Every (padded) query row is written, padded ones with zeros: no rows left
+                # for forward() to zero, so a CPU graph records one call per layer.
+                return step[-2]
         else:
             write_kv_cache(key, value, kv_cache, metadata.slot_mapping)
             if plan.decode is not None:
@@ -136,24 +136,24 @@ class CPUBatchedImpl(AttentionImpl):
         slots, group, table = metadata.slot_mapping, plan.decode, metadata.block_table
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
-        uniform = metadata.uniform_decode and plan.prefill is None
-        # A uniform decode reads the builder's persistent buffers, every padded request
+        q = plan.uniform_query_len
+        # A uniform batch reads the builder's persistent buffers, every padded request
         # included (fixed addresses and counts: what a CPU graph replays); a mixed step
         # names its decode requests and their query rows.
-        reqs = None if uniform else group.req_index.data_ptr()
-        tokens = None if uniform else group.query_tokens.data_ptr()
-        num_reqs = metadata.num_reqs_padded if uniform else group.num_reqs
+        reqs = None if q else group.req_index.data_ptr()
+        tokens = None if q else group.query_tokens.data_ptr()
+        rows = min(metadata.num_reqs_padded * q, num_tokens) if q else group.num_reqs
         args = (
             slots.data_ptr(), min(num_tokens, slots.shape[0]),
             table.data_ptr(), table.stride(0), metadata.seq_lens.data_ptr(), reqs, tokens,
-            num_reqs,
+            rows, max(q, 1),
         )  # fmt: skip
         plan.kernel_step_args[key] = args
         return args
 
     def _decode_kernel(self, kernel, query, key, value, kv_cache, step, output) -> None:
         """Cache writes of the whole step and the decode group's attention in one C call."""
-        slots, num_new, table, table_stride, seq_lens, reqs, tokens, num_reqs = step
+        slots, num_new, table, table_stride, seq_lens, reqs, tokens, rows, q_len = step
         spec = self.spec
         keys = kv_cache.data_ptr()
         values = keys + kv_cache.stride(0) * kv_cache.element_size()
@@ -164,7 +164,7 @@ class CPUBatchedImpl(AttentionImpl):
             value.data_ptr(), value.stride(0),
             slots, num_new, keys, values, table, table_stride, seq_lens, reqs, tokens,
             output.data_ptr(), output.stride(0),
-            num_reqs, spec.num_heads, spec.num_kv_heads, spec.head_size,
+            rows, q_len, spec.num_heads, spec.num_kv_heads, spec.head_size,
             kv_cache.shape[2], self._params.data_ptr(), spec.sliding_window or 0,
             torch.get_num_threads(),
         )  # fmt: skip
@@ -239,10 +239,11 @@ class CPUBatchedBackend(AttentionBackend):
 
     @classmethod
     def graph_support(cls) -> AttentionCGSupport:
-        """One-token decodes run in one C call per layer reading fixed buffers (the C kernel):
-        a CPU graph can hold them. Without the kernel, the torch path plans on the host."""
+        """Uniform batches (one-token decodes, and speculative decoding's 1 + k tokens a
+        request) run in one C call per layer reading fixed buffers (the C kernel): a CPU
+        graph can hold them. Without the kernel, the torch path plans on the host."""
         from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
 
         if load_decode_kernel() is not None and cpu_graphs_available():
-            return AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+            return AttentionCGSupport.UNIFORM_BATCH
         return cls.cg_support

@@ -90,6 +90,11 @@ class BatchedPlan:
     # The decode kernel's arguments every layer of the step shares, by (cache shape, padded
     # tokens): checked against the cache once a step, not once a layer.
     kernel_step_args: dict = field(default_factory=dict)
+    # Every request runs this many query tokens (1: one-token decodes; 1 + k: speculative
+    # decoding's verify step), so the C kernel can take them all from the builder's
+    # persistent buffers, as a FULL graph replays it; 0: not such a batch. Above 1 the
+    # plan's prefill group is the torch fallback, for when the kernel does not run.
+    uniform_query_len: int = 0
 
 
 def _plan_group(
@@ -147,10 +152,14 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
             check_bounds(bounds, self.num_cache_blocks, self.block_size)
         if metadata.uniform_decode:  # the common step: request i decodes token i
             decode = self._decode_plan(seq_lens, table)
-            metadata.backend_state = BatchedPlan(decode, None, **bounds)
+            metadata.backend_state = BatchedPlan(decode, None, **bounds, uniform_query_len=1)
             return
         qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)
         query_lens = qsl[1:] - qsl[:-1]
+        q = int(query_lens[0]) if len(query_lens) else 0
+        # Speculative decoding's verify step: its FULL graph holds the C kernel; other chunks
+        # of equal length are prefill work, for SDPA.
+        uniform = 1 < q == self.uniform_decode_query_len and bool((query_lens == q).all())
         groups = []
         for selected in (query_lens == 1, query_lens > 1):
             req_idx = np.flatnonzero(selected)
@@ -159,7 +168,9 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
                 if len(req_idx)
                 else None
             )
-        metadata.backend_state = BatchedPlan(*groups, **bounds)
+        metadata.backend_state = BatchedPlan(
+            *groups, **bounds, uniform_query_len=q if uniform else 0
+        )
 
     def _decode_plan(self, seq_lens: np.ndarray, table: np.ndarray) -> GroupPlan:
         """``_plan_group`` for a batch of decodes only, without its general bookkeeping."""

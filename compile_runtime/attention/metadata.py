@@ -95,6 +95,9 @@ class AttentionMetadataBuilder:
         # Blocks of the KV cache the steps address, once it is bound (the runner sets it):
         # a builder whose kernels read raw memory checks every step's block ids against it.
         self.num_cache_blocks: int | None = None
+        # Query tokens a request runs in a uniform decode batch (the runner sets 1 + k under
+        # speculative decoding): the batches the FULL decode graphs are captured for.
+        self.uniform_decode_query_len = 1
 
     def build(
         self,

@@ -248,11 +248,15 @@ static void softmax_rows(float* s, int64_t G, int64_t n) {
     }
 
 /*
- * query  [tokens, H, D] with row stride q_stride; request b's query is row tokens[b]
- *        (tokens NULL: row b).
- * caches [num_blocks, bs, KVH, D] contiguous. Request b of the group is request reqs[b] of
- * the step (reqs NULL: b): its seq_lens[r] keys lie in the blocks of row r of block_table
- * (int32, rows bt_stride apart). A request of length 0 (a padded one) gets zeros.
+ * query  [tokens, H, D] with row stride q_stride; query b is row tokens[b] (tokens NULL:
+ *        row b).
+ * caches [num_blocks, bs, KVH, D] contiguous. Query b belongs to request reqs[b] of the step
+ * (reqs NULL: request b / q_len): that request's seq_lens[r] keys lie in the blocks of row
+ * r of block_table (int32, rows bt_stride apart). q_len: the query tokens of each request
+ * when reqs is NULL (a uniform batch: 1 for decodes, 1 + k under speculative decoding),
+ * the newest q_len positions of the request, each seeing the keys up to its own position;
+ * with reqs, 1 (each query is its request's newest token). A query that sees no key (a
+ * padded request, of length 0) gets zeros.
  * out    [tokens, H, D] with row stride out_stride.
  * params [2]: scale, softcap (a pointer, so that every argument is an integer or a pointer
  * and a CPU graph can replay the call). Query head h attends with KV head h / (H / KVH).
@@ -270,9 +274,9 @@ void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,   
           const T* value, int64_t value_stride, const int64_t* slots,                       \
           int64_t num_new_tokens, T* k_cache, T* v_cache, const int32_t* block_table,       \
           int64_t bt_stride, const int32_t* seq_lens, const int64_t* reqs,                  \
-          const int64_t* tokens, T* out, int64_t out_stride, int64_t B, int64_t H,          \
-          int64_t KVH, int64_t D, int64_t bs, const float* params, int64_t window,          \
-          int64_t num_threads) {                                                            \
+          const int64_t* tokens, T* out, int64_t out_stride, int64_t B, int64_t q_len,      \
+          int64_t H, int64_t KVH, int64_t D, int64_t bs, const float* params,               \
+          int64_t window, int64_t num_threads) {                                            \
     const int64_t G = H / KVH, row = KVH * D;                                                \
     const float scale = params[0], softcap = params[1];                                      \
     for (int64_t t = 0; t < num_new_tokens; t++) { /* the step's keys/values; slot < 0:   \
@@ -285,8 +289,9 @@ void NAME(const T* query, int64_t q_stride, const T* key, int64_t key_stride,   
     _Pragma("omp parallel for collapse(2) schedule(dynamic, chunk) num_threads(num_threads)") \
     for (int64_t b = 0; b < B; b++) {                                                        \
         for (int64_t kh = 0; kh < KVH; kh++) {                                               \
-            const int64_t r = reqs ? reqs[b] : b;                                            \
-            const int64_t S = seq_lens[r];                                                   \
+            const int64_t r = reqs ? reqs[b] : b / q_len;                                    \
+            /* a request's earlier queries see fewer keys: causal among its q_len */          \
+            const int64_t S = seq_lens[r] - (reqs ? 0 : q_len - 1 - b % q_len);              \
             const int64_t lo = (window > 0 && S > window) ? S - window : 0;                  \
             const int64_t n = S - lo;                                                        \
             const int64_t tok = tokens ? tokens[b] : b;                                      \

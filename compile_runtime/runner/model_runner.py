@@ -151,6 +151,8 @@ class ModelRunner:
         self.metadata_groups = metadata_groups(
             self.layers, c.block_size, c.max_num_seqs, self.device
         )
+        for builder, _ in self.metadata_groups:
+            builder.uniform_decode_query_len = self.uniform_decode_query_len
         # Its capture sizes now (a bad "auto:FILE" fails before the compile); its keys once the
         # trace has shown the split (cudagraph_plan.py).
         self.dispatcher = CudagraphDispatcher(
