@@ -200,6 +200,23 @@ def test_graph_memory_is_what_the_capture_allocated(model_dirs):
     assert 0 < report.memory_bytes < weights + 64 * 2**20
 
 
+def test_graph_memory_is_shared_between_sizes_never_within_one():
+    """As a CUDA graph pool: one storage holds at most one buffer of each step (mode and
+    descriptor), the smallest that fits; it goes when the graphs holding it do."""
+    pool = cpu_graph.CPUGraphPool()
+    big, small = ("FULL", 8), ("FULL", 4)
+    a = pool.share(torch.empty(8, 64), big)
+    b = pool.share(torch.empty(8, 32), big)
+    c = pool.share(torch.empty(4, 32), small)  # fits on b's storage: the smallest that holds it
+    d = pool.share(torch.empty(4, 32), small)  # not b's again (same step): on a's
+    e = pool.share(torch.empty(4, 32), small)  # nothing left for this step: its own
+    ptr = [t.untyped_storage().data_ptr() for t in (a, b, c, d, e)]
+    assert ptr[2] == ptr[1] and ptr[3] == ptr[0] and ptr[4] not in ptr[:2]
+    assert pool.nbytes == (8 * 64 + 8 * 32 + 4 * 32) * 4
+    del a, d
+    assert pool.nbytes == (8 * 32 + 4 * 32) * 4  # a's storage went with its graphs
+
+
 def test_a_matmul_replays_through_a_callback_and_follows_its_inputs():
     a, b = torch.randn(3, 5), torch.randn(5, 4)
     graph = cpu_graph.CPUGraph()

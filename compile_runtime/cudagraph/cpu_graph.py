@@ -25,13 +25,17 @@ that size then runs unreplayed, never a silent wrong answer):
 
 Memory: every tensor a recorded call touches, and every tensor made while capturing, is
 kept by the graph, so replays write where the capture wrote and nothing else can be given
-that memory. That is one pool per size (the CUDA pool's sharing between sizes is left out).
-Inputs are read at the addresses they had at capture: the wrapper checks them before every
-replay (``CPUGraphFactory.checks_addresses``).
+that memory. As a CUDA graph pool is, the memory is shared between sizes
+(``CPUGraphPool``): a step replays one size's graphs and consumes their outputs before
+the next step, so a buffer of one size may lie on a storage another size's capture made,
+as long as no two buffers of one size share a storage. Inputs are read at the addresses
+they had at capture: the wrapper checks them before every replay
+(``CPUGraphFactory.checks_addresses``).
 """
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import logging
@@ -44,7 +48,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 from compile_runtime.ops.native_function import NativeFunction, set_native_recorder
 
@@ -171,23 +175,31 @@ def _c_symbol(path: str) -> int:
 class _Recorder:
     """The native calls of one capture, in order, and every tensor they may touch."""
 
-    def __init__(self, max_args: int) -> None:
+    def __init__(self, max_args: int, pool: CPUGraphPool | None, owner: Any) -> None:
         self.max_args = max_args
         self.calls: list[tuple[int, list[int], str]] = []  # (address, arguments, name)
         self.kept: dict[int, torch.Tensor] = {}  # by id: alive as long as the graph
-        self.made: dict[int, int] = {}  # storages allocated while capturing: address -> bytes
         self.callbacks: list[Any] = []  # the C callbacks into torch (kept: the loop calls them)
         self.callback_failures: list[BaseException] = []
+        self.pool = pool
+        self.owner = owner  # the step the capture is of: (mode, batch descriptor)
 
-    def keep(self, value: Any, made: bool = False) -> None:
+    def keep(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
             self.kept[id(value)] = value
-            if made:
-                storage = value.untyped_storage()
-                self.made[storage.data_ptr()] = storage.nbytes()
         elif isinstance(value, (tuple, list)):
             for v in value:
-                self.keep(v, made)
+                self.keep(v)
+
+    def made(self, value: Any) -> Any:
+        """What an allocation returned, its tensors moved into the pool."""
+        if self.pool is None:
+            return value
+        if isinstance(value, torch.Tensor):
+            return self.pool.share(value, self.owner)
+        if isinstance(value, (tuple, list)):
+            return type(value)(self.made(v) for v in value)
+        return value
 
     def _add(self, address: int, args: list[int], name: str) -> None:
         if len(args) > self.max_args:
@@ -231,8 +243,8 @@ class _Recorder:
 
     def allocation_proxy(self, allocate: Callable[..., torch.Tensor]) -> Callable[..., Any]:
         def call(*args: Any) -> torch.Tensor:
-            out = allocate(*args)
-            self.keep(out, made=True)
+            out = self.made(allocate(*args))
+            self.keep(out)
             return out
 
         return call
@@ -272,13 +284,13 @@ class _RecordingMode(TorchDispatchMode):
         kwargs = kwargs or {}
         name = func._schema.name
         body = _op_bodies().get(name)
-        made = False
         if body is not None:
             with self:
                 out = body(*args, **kwargs)
+        elif name in _ALLOCATING:
+            out = self.recorder.made(func(*args, **kwargs))
         elif name in _NO_COMPUTE:
             out = func(*args, **kwargs)
-            made = name in _ALLOCATING
         elif name in _MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
             pass  # asked of a tensor that already is what was asked for: itself, no copy
         elif name in _CALLED_BACK:
@@ -289,7 +301,7 @@ class _RecordingMode(TorchDispatchMode):
                 f"{func} computes in torch, not through a recorded native call, so a replay "
                 "would skip it"
             )
-        self.recorder.keep(out, made)
+        self.recorder.keep(out)
         return out
 
 
@@ -323,7 +335,6 @@ class CPUGraph:
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int], str]] = []
         self.kept: list[torch.Tensor] = []
-        self.nbytes = 0  # of the storages made while capturing: the graph's own memory
         self.callbacks: list[Any] = []
         self._failures: list[BaseException] = []
         self._arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
@@ -333,13 +344,12 @@ class CPUGraph:
         library = _replay_library()
         if library is None:
             raise GraphCaptureUnsupported("no C compiler here to build the replay loop")
-        recorder = _Recorder(library[1])
+        recorder = _Recorder(library[1], pool, _capturing_step())
         with _recording(recorder):
             outputs = fn()
         recorder.keep(outputs)
         self.calls = recorder.calls
         self.kept = list(recorder.kept.values())
-        self.nbytes = sum(recorder.made.values())
         self.callbacks = recorder.callbacks
         self._failures = recorder.callback_failures
         fns = np.array([address for address, _, _ in self.calls], dtype=np.uint64)
@@ -347,8 +357,6 @@ class CPUGraph:
         flat = np.array([a for _, args, _ in self.calls for a in args], dtype=np.int64)
         self._arrays = (fns, nargs, flat)  # alive as long as the graph: the loop reads them
         self._replay_args = (fns.ctypes.data, nargs.ctypes.data, flat.ctypes.data, len(fns))
-        if pool is not None:
-            pool.add(self)
         return outputs
 
     def replay(self) -> None:
@@ -361,18 +369,73 @@ class CPUGraph:
             raise RuntimeError(f"a CPU graph's callback into torch failed: {error}") from error
 
 
+def _capturing_step() -> Any:
+    """Which step a capture is of: its mode and batch descriptor (None outside a forward)."""
+    from compile_runtime.forward_context import get_forward_context, is_forward_context_available
+
+    if not is_forward_context_available():
+        return None
+    context = get_forward_context()
+    return context.cudagraph_runtime_mode, context.batch_descriptor
+
+
+class _Shared:
+    """One storage of the pool and the steps that have a buffer on it. The pool holds it
+    through the buffer first made on it (weakly): the graphs own the memory, and it goes
+    when they do (an engine shut down)."""
+
+    def __init__(self, tensor: torch.Tensor, owner: Any) -> None:
+        self.anchor = weakref.ref(tensor)
+        self.nbytes = tensor.untyped_storage().nbytes()
+        self.owners = {owner}
+
+
 class CPUGraphPool:
-    """What a CUDA graph pool is for accounting: the live graphs of one factory, their memory."""
+    """The memory the CPU graphs of one factory allocated, shared between steps of different
+    sizes (as captures of one CUDA graph pool share it).
+
+    Only one step's graphs replay at a time, and the runner consumes their outputs before the
+    next step: so each storage may hold one buffer of every step (mode and batch descriptor),
+    never two of the same step. Captures run largest first, so the smaller sizes' buffers
+    mostly fit on storages the larger ones made."""
 
     def __init__(self) -> None:
-        self.graphs: weakref.WeakSet[CPUGraph] = weakref.WeakSet()
+        self._storages: list[_Shared] = []  # by size, smallest first
+        self._sizes: list[int] = []
 
-    def add(self, graph: CPUGraph) -> None:
-        self.graphs.add(graph)
+    def share(self, tensor: torch.Tensor, owner: Any) -> torch.Tensor:
+        """``tensor``, just allocated by a capture of step ``owner``, on the smallest storage of
+        the pool that holds it and has no buffer of ``owner`` yet (else on its own, added)."""
+        need = tensor.untyped_storage().nbytes()
+        self._drop_dead()
+        if owner is not None:
+            for shared in self._storages[bisect.bisect_left(self._sizes, need) :]:
+                anchor = shared.anchor()
+                if owner not in shared.owners and anchor is not None:
+                    shared.owners.add(owner)
+                    with _disable_current_modes():  # a view made here, not an op to record
+                        view = torch.empty(0, dtype=tensor.dtype)
+                        return view.set_(
+                            anchor.untyped_storage(),
+                            tensor.storage_offset(),
+                            tensor.size(),
+                            tensor.stride(),
+                        )
+        at = bisect.bisect_left(self._sizes, need)
+        self._storages.insert(at, _Shared(tensor, owner))
+        self._sizes.insert(at, need)
+        return tensor
+
+    def _drop_dead(self) -> None:
+        if any(s.anchor() is None for s in self._storages):
+            self._storages = [s for s in self._storages if s.anchor() is not None]
+            self._sizes = [s.nbytes for s in self._storages]
 
     @property
     def nbytes(self) -> int:
-        return sum(g.nbytes for g in self.graphs)
+        """The memory of the live graphs (each storage once)."""
+        self._drop_dead()
+        return sum(self._sizes)
 
 
 class CPUGraphFactory:
