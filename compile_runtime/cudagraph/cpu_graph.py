@@ -402,29 +402,46 @@ class CPUGraphPool:
     def __init__(self) -> None:
         self._storages: list[_Shared] = []  # by size, smallest first
         self._sizes: list[int] = []
+        # The step being captured, and the storages it has no buffer on yet (by size).
+        self._owner: Any = None
+        self._free: list[_Shared] = []
+        self._free_sizes: list[int] = []
 
     def share(self, tensor: torch.Tensor, owner: Any) -> torch.Tensor:
         """``tensor``, just allocated by a capture of step ``owner``, on the smallest storage of
         the pool that holds it and has no buffer of ``owner`` yet (else on its own, added)."""
         need = tensor.untyped_storage().nbytes()
-        self._drop_dead()
         if owner is not None:
-            for shared in self._storages[bisect.bisect_left(self._sizes, need) :]:
+            if owner != self._owner:
+                self._start(owner)
+            at = bisect.bisect_left(self._free_sizes, need)
+            while at < len(self._free):
+                shared = self._free.pop(at)
+                self._free_sizes.pop(at)
                 anchor = shared.anchor()
-                if owner not in shared.owners and anchor is not None:
-                    shared.owners.add(owner)
-                    with _disable_current_modes():  # a view made here, not an op to record
-                        view = torch.empty(0, dtype=tensor.dtype)
-                        return view.set_(
-                            anchor.untyped_storage(),
-                            tensor.storage_offset(),
-                            tensor.size(),
-                            tensor.stride(),
-                        )
+                if anchor is None:
+                    continue
+                shared.owners.add(owner)
+                with _disable_current_modes():  # a view made here, not an op to record
+                    view = torch.empty(0, dtype=tensor.dtype)
+                    return view.set_(
+                        anchor.untyped_storage(),
+                        tensor.storage_offset(),
+                        tensor.size(),
+                        tensor.stride(),
+                    )
         at = bisect.bisect_left(self._sizes, need)
         self._storages.insert(at, _Shared(tensor, owner))
         self._sizes.insert(at, need)
         return tensor
+
+    def _start(self, owner: Any) -> None:
+        """A capture of another step begins: what it may take is every live storage it has
+        no buffer on (captures of one step run one after another)."""
+        self._owner = owner
+        self._drop_dead()
+        self._free = [s for s in self._storages if owner not in s.owners]
+        self._free_sizes = [s.nbytes for s in self._free]
 
     def _drop_dead(self) -> None:
         if any(s.anchor() is None for s in self._storages):
