@@ -16,6 +16,7 @@ from compile_runtime.attention.metadata import MetadataError
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph import cpu_graph
 from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
+from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
 from compile_runtime.ops.cpu_quant_gemm import kernel_available
 
@@ -203,7 +204,7 @@ def test_graph_memory_is_what_the_capture_allocated(model_dirs):
 def test_graph_memory_is_shared_between_sizes_never_within_one():
     """As a CUDA graph pool: one storage holds at most one buffer of each step (mode and
     descriptor), the smallest that fits; it goes when the graphs holding it do."""
-    pool = cpu_graph.CPUGraphPool()
+    pool = CPUGraphPool()
     big, small = ("FULL", 8), ("FULL", 4)
     a = pool.share(torch.empty(8, 64), big)
     b = pool.share(torch.empty(8, 32), big)
