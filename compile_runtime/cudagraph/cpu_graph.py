@@ -25,8 +25,8 @@ that size then runs unreplayed, never a silent wrong answer):
 
 Memory: every tensor a recorded call touches, and every tensor made while capturing, is
 kept by the graph, so replays write where the capture wrote and nothing else can be given
-that memory. As a CUDA graph pool is, the memory is shared between sizes
-(``CPUGraphPool``, ``cpu_graph_pool.py``): a step replays one size's graphs and consumes their outputs before
+that memory. As a CUDA graph pool is, the memory is shared between sizes (``CPUGraphPool``,
+``cpu_graph_pool.py``): a step replays one size's graphs and consumes their outputs before
 the next step, so a buffer of one size may lie on a storage another size's capture made,
 as long as no two buffers of one size share a storage. Inputs are read at the addresses
 they had at capture: the wrapper checks them before every replay
