@@ -14,7 +14,7 @@ replays it from C. This measures, on the real model, at batch 1 and batch 8, in 
   than any step can be);
 * ``logits``: the LM head on the sampled rows (outside the graph);
 * ``rest of the step``: scheduler, inputs, attention metadata, sampling, outputs: the
-  generate call's time per step less the forward and the logits.
+  generate call's time per step less every forward (the prefill's too) and the logits.
 
 Medians over the decode steps of a ``--tokens`` generation (the native loop: as many calls).
 Both engines' greedy tokens are compared (they must be equal).
@@ -58,14 +58,15 @@ def measure(llm: cr.LLM, batch: int, tokens: int) -> dict:
     plan = runner.cudagraph_plan
     forward = plan.forward_model
     forward_s: list[float] = []
+    prefill_s: list[float] = []
     padded = _padded(runner, batch)
 
     def timed(*inputs):
         start = time.perf_counter()
         out = forward(*inputs)
         elapsed = time.perf_counter() - start
-        if inputs[0].shape[0] == padded:  # a decode step (the prompts are longer)
-            forward_s.append(elapsed)
+        # A decode step has the padded batch's rows; the prompts are longer.
+        (forward_s if inputs[0].shape[0] == padded else prefill_s).append(elapsed)
         return out
 
     model = runner.model
@@ -85,6 +86,7 @@ def measure(llm: cr.LLM, batch: int, tokens: int) -> dict:
     try:
         llm.generate(prompts, params, use_tqdm=False)  # warm-up
         forward_s.clear()
+        prefill_s.clear()
         logits_s.clear()
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
@@ -100,12 +102,16 @@ def measure(llm: cr.LLM, batch: int, tokens: int) -> dict:
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
     }
     result["logits_ms"] = 1e3 * statistics.median(logits_s)
-    result["outside_forward_ms"] = 1e3 * (total - sum(forward_s) - sum(logits_s)) / tokens
+    result["prefill_ms"] = 1e3 * sum(prefill_s)
+    # The rest of a decode step: the call's time less every forward (the prefill's too)
+    # and every LM head, per step.
+    outside = total - sum(forward_s) - sum(prefill_s) - sum(logits_s)
+    result["outside_forward_ms"] = 1e3 * outside / tokens
     if isinstance(forward, CUDAGraphWrapper):
         entry = next(e for d, e in forward.entries.items() if d.num_tokens == padded)
         # The loop alone with the gap a step leaves between forwards (the weights come back
         # from memory, as in a step), and back to back (they stay in this CPU's cache).
-        gap = (total - sum(forward_s)) / tokens
+        gap = (outside + sum(logits_s)) / tokens
         for key, pause in (("native_ms", gap), ("native_warm_ms", 0.0)):
             loop_s = []
             for _ in range(len(forward_s)):

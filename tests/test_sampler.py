@@ -296,7 +296,7 @@ def test_logits_shape_must_match_batch():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tokens_equal_argmax_with_ties_nan_and_inf(dtype):
-    """greedy_tokens uses max(): its indices must be argmax's, first index on ties."""
+    """greedy_tokens (numpy on a CPU): its indices must be argmax's, first index on ties."""
     from compile_runtime.runner.sampler import greedy_tokens
 
     torch.manual_seed(0)

