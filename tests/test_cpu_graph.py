@@ -228,6 +228,26 @@ def test_a_matmul_replays_through_a_callback_and_follows_its_inputs():
     assert torch.equal(out, torch.mm(a, b)) and len(graph.callbacks) == 1
 
 
+def test_a_dry_capture_records_native_calls_without_running_them():
+    """Start-up's captures are dry (their steps are dummies): the first replay computes."""
+    import ctypes
+
+    from compile_runtime.ops.native_function import NativeFunction
+
+    argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    memset = NativeFunction(ctypes.CDLL(None), "memset", argtypes, ctypes.c_void_p)
+    buf = torch.zeros(16, dtype=torch.uint8)
+    graph = cpu_graph.CPUGraph()
+    with cpu_graph.dry_captures():
+        graph.capture(lambda: memset(buf.data_ptr(), 7, 16), None)
+    assert buf.tolist() == [0] * 16 and len(graph.calls) == 1  # recorded, not run
+    graph.replay()
+    assert buf.tolist() == [7] * 16
+    graph = cpu_graph.CPUGraph()
+    graph.capture(lambda: memset(buf.data_ptr(), 3, 16), None)  # not dry: runs as it records
+    assert buf.tolist() == [3] * 16
+
+
 def test_an_op_that_computes_in_torch_refuses_capture_by_name():
     a = torch.randn(4)
     with pytest.raises(cpu_graph.GraphCaptureUnsupported, match=r"aten\.add"):

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.cpu_graph import GraphCaptureUnsupported
+from compile_runtime.cudagraph.cpu_graph import GraphCaptureUnsupported, dry_captures
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
 from compile_runtime.forward_context import set_forward_context
@@ -102,7 +102,7 @@ def capture(
     that is not a uniform decode).
     ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
     ``graph_pool``: the CPU graphs' pool (``cpu_graph.CPUGraphPool``) when they are CPU
-    graphs. A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out
+    graphs; they are then captured dry (``cpu_graph.dry_captures``: recorded, not run). A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out
     of the dispatcher, named in the report and in one log line; its batches run unreplayed.
     """
     descriptors = dispatcher.capture_descriptors()
@@ -132,8 +132,9 @@ def capture(
     # walking them during every capture.
     gc.collect()
     gc.freeze()
+    dry = contextlib.nullcontext() if graph_pool is None else dry_captures()
     try:
-        with cudagraph_capturing_enabled(), stream_ctx:
+        with cudagraph_capturing_enabled(), stream_ctx, dry:
             for mode, descriptor in tqdm(
                 descriptors,
                 desc=f"Capturing {report.kind} graphs",

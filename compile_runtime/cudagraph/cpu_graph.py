@@ -139,6 +139,25 @@ def cpu_graphs_available() -> bool:
 
 _CALLBACK_TYPE = ctypes.CFUNCTYPE(None, ctypes.c_int64)
 
+_dry_captures = False
+
+
+@contextmanager
+def dry_captures() -> Iterator[None]:
+    """CPU captures in this block record their native calls without running them.
+
+    For start-up capture, whose steps are dummies nobody reads: running them was most of
+    its time (every size's step for real). The captures' outputs are then garbage (as a
+    CUDA capture's are before its first replay), and so is what eager code between
+    PIECEWISE graphs computes from them; the first replay computes for real.
+    """
+    global _dry_captures
+    previous, _dry_captures = _dry_captures, True
+    try:
+        yield
+    finally:
+        _dry_captures = previous
+
 
 def records_cpu_graphs(config: Any) -> bool:
     """Whether a model compiled with ``config`` gets CPU graphs: graphs asked for, pieces
@@ -182,6 +201,7 @@ class _Recorder:
         self.callback_failures: list[BaseException] = []
         self.pool = pool
         self.owner = owner  # the step the capture is of: (mode, batch descriptor)
+        self.dry = _dry_captures  # record the native calls without running them
 
     def keep(self, value: Any) -> None:
         if isinstance(value, torch.Tensor):
@@ -208,7 +228,7 @@ class _Recorder:
             )
         self.calls.append((address, args, name))
 
-    def record_native(self, function: NativeFunction, args: tuple[Any, ...]) -> None:
+    def record_native(self, function: NativeFunction, args: tuple[Any, ...]) -> bool:
         values = []
         for i, a in enumerate(args):
             if a is None:
@@ -221,6 +241,7 @@ class _Recorder:
                     "pointer"
                 )
         self._add(function.address, values, function.name)
+        return not self.dry
 
     def call_back(self, func: Any, args: tuple, kwargs: dict, out: torch.Tensor) -> None:
         """A replay calls ``func`` again through a C callback and copies its result into
@@ -266,7 +287,7 @@ class _Recorder:
                         "tensors and ints only"
                     )
             self._add(_c_symbol(path), values, name)
-            return builtin(*args)
+            return None if self.dry else builtin(*args)
 
         return call
 

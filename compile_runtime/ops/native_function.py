@@ -4,7 +4,8 @@ Every C kernel a forward calls (GEMV, AMX, quantized GEMM, embedding rows, paged
 attention) is a ``NativeFunction``: a ctypes function plus its address. Outside capture a
 call is the ctypes call and one global read more. While a CPU graph captures
 (``cudagraph/cpu_graph.py``), each call is also handed to the recorder with its
-arguments, which the graph later replays from its C loop without Python.
+arguments, which the graph later replays from its C loop without Python; a dry capture
+(start-up's, whose outputs nobody reads) records the call without running it.
 
 A recordable function takes only integer-class arguments (pointers, ``int64_t`` and
 narrower ints): the replay loop passes every argument in an integer register or stack
@@ -22,7 +23,8 @@ _FLOAT_TYPES = (ctypes.c_float, ctypes.c_double, ctypes.c_longdouble)
 
 
 class CallRecorder(Protocol):
-    def record_native(self, function: NativeFunction, args: tuple[Any, ...]) -> None: ...
+    def record_native(self, function: NativeFunction, args: tuple[Any, ...]) -> bool:
+        """Note the call; True: also run it (False: a dry capture, which only records)."""
 
 
 _recorder: CallRecorder | None = None
@@ -56,8 +58,8 @@ class NativeFunction:
         self.address = ctypes.cast(fn, ctypes.c_void_p).value
 
     def __call__(self, *args: Any) -> Any:
-        if _recorder is not None:
-            _recorder.record_native(self, args)
+        if _recorder is not None and not _recorder.record_native(self, args):
+            return None if self.fn.restype is None else 0  # not run: nothing to report
         return self.fn(*args)
 
     def __repr__(self) -> str:
