@@ -123,3 +123,48 @@ def test_model_names_that_are_neither_directory_nor_gguf(tmp_path):
         model_directory(str(other))
     with pytest.raises(FileNotFoundError, match="does not exist.*gguf"):
         cr.LLM(str(tmp_path / "missing"))
+
+
+def test_the_fast_index_reads_what_gguf_reader_reads(tmp_path):
+    """gguf_index (the warm start's reader) against gguf's own, on every field kind and a
+    quantized, a float and an integer tensor."""
+    import gguf
+
+    from compile_runtime.models.gguf_index import read_index
+
+    path = str(tmp_path / "m.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_head_count(2)
+    writer.add_rope_freq_base(10000.5)
+    writer.add_name("tiny")
+    writer.add_token_list(["<s>", "a", "bb", "ccc"] * 50)
+    writer.add_token_scores([0.5] * 200)
+    q8 = gguf.quants.quantize(np.random.RandomState(0).randn(4, 64).astype(np.float32), 8)
+    writer.add_tensor("blk.0.attn_q.weight", q8, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("token_embd.weight", np.arange(24, dtype=np.float32).reshape(4, 6))
+    writer.add_tensor("ids", np.arange(5, dtype=np.int32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    index, reader = read_index(path), gguf.GGUFReader(path)
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors, strict=True):
+        assert ours.tensor_type == theirs.tensor_type
+        assert ours.shape.tolist() == theirs.shape.tolist()
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF.") and not isinstance(field.contents(), list):
+            assert index.values[key] == pytest.approx(field.contents()), key
+    assert "tokenizer.ggml.tokens" in index.values  # an array: listed, not read
+
+
+@pytest.mark.parametrize("keep", [3, 10, 40, 200, -100])
+def test_a_truncated_file_is_one_gguf_error(tmp_path, keep):
+    from compile_runtime.models.gguf import gguf_tensors
+
+    whole = write_gguf(tmp_path / "w.gguf", "llama", {"token_embd.weight": np.ones((64, 8))})
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(open(whole, "rb").read()[:keep])
+    with pytest.raises(GGUFError, match="not a readable GGUF file"):
+        list(gguf_tensors(str(cut)))

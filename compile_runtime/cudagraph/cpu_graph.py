@@ -48,6 +48,12 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compile_runtime.cudagraph.cpu_graph_ops import (
+    ALLOCATING,
+    CALLED_BACK,
+    MAYBE_NO_COMPUTE,
+    NO_COMPUTE,
+)
 from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool, capturing_step
 from compile_runtime.ops.native_function import NativeFunction, set_native_recorder
 
@@ -56,58 +62,6 @@ logger = logging.getLogger(__name__)
 
 class GraphCaptureUnsupported(RuntimeError):
     """A step cannot be captured into a CPU graph: it makes a call the replay cannot repeat."""
-
-
-# Ops that allocate: what they make is the graph's own memory (its pool).
-_ALLOCATING = frozenset(
-    {
-        "aten::empty",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::new_empty",
-        "aten::new_empty_strided",
-    }
-)
-# Ops that only allocate or view memory: what they make is kept, they need no replay.
-_NO_COMPUTE = _ALLOCATING | frozenset(
-    {
-        "aten::view",
-        "aten::_unsafe_view",
-        "aten::reshape",
-        "aten::_reshape_alias",
-        "aten::as_strided",
-        "aten::t",
-        "aten::transpose",
-        "aten::permute",
-        "aten::slice",
-        "aten::select",
-        "aten::narrow",
-        "aten::unsqueeze",
-        "aten::squeeze",
-        "aten::expand",
-        "aten::alias",
-        "aten::detach",
-        "aten::split",
-        "aten::split_with_sizes",
-        "aten::unbind",
-    }
-)
-# Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
-# linear: float linears above the GEMV's rows): their result is copied into the tensor the
-# capture returned, which the later calls read.
-# The tensor-parallel all-reduce (in place, as Inductor lowers it) and its wait are called back
-# too: each rank's replay runs the collective where its capture did, in the same order.
-_CALLED_BACK = frozenset(
-    {
-        "mkldnn::_linear_pointwise",
-        "aten::mm",
-        "aten::addmm",
-        "_c10d_functional::all_reduce_",
-        "_c10d_functional::wait_tensor",
-    }
-)
-# Ops that return their input itself when it already has the dtype or layout asked for.
-_MAYBE_NO_COMPUTE = frozenset({"aten::to", "aten::contiguous"})
 
 
 @functools.cache
@@ -144,13 +98,9 @@ _dry_captures = False
 
 @contextmanager
 def dry_captures() -> Iterator[None]:
-    """CPU captures in this block record their native calls without running them.
-
-    For start-up capture, whose steps are dummies nobody reads: running them was most of
-    its time (every size's step for real). The captures' outputs are then garbage (as a
-    CUDA capture's are before its first replay), and so is what eager code between
-    PIECEWISE graphs computes from them; the first replay computes for real.
-    """
+    """CPU captures in this block record their native calls without running them: for
+    start-up's, whose dummy steps nobody reads (running them was most of its time). Their
+    outputs are garbage, as a CUDA capture's are before its first replay."""
     global _dry_captures
     previous, _dry_captures = _dry_captures, True
     try:
@@ -307,13 +257,13 @@ class _RecordingMode(TorchDispatchMode):
         if body is not None:
             with self:
                 out = body(*args, **kwargs)
-        elif name in _ALLOCATING:
+        elif name in ALLOCATING:
             out = self.recorder.made(func(*args, **kwargs))
-        elif name in _NO_COMPUTE:
+        elif name in NO_COMPUTE:
             out = func(*args, **kwargs)
-        elif name in _MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
+        elif name in MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
             pass  # asked of a tensor that already is what was asked for: itself, no copy
-        elif name in _CALLED_BACK:
+        elif name in CALLED_BACK:
             out = func(*args, **kwargs)
             self.recorder.call_back(func, args, kwargs, out)
         else:

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,7 @@ import numpy as np
 import torch
 
 from compile_runtime.cache.location import cache_root
+from compile_runtime.models.gguf_index import GGUFIndex, read_index
 from compile_runtime.ops.cpu_quant_formats import BLOCK, QuantFormat, from_gguf_blocks
 from compile_runtime.ops.cpu_quant_formats import BY_NAME as QUANT_FORMATS
 
@@ -112,6 +114,8 @@ def _reader(path: str):
 
 
 def _field(reader, key: str) -> Any:
+    if isinstance(reader, GGUFIndex):
+        return reader.values.get(key)
     field = reader.fields.get(key)
     return None if field is None else field.contents()
 
@@ -186,7 +190,15 @@ class GGUFTensor:
 
 @functools.lru_cache(maxsize=2)
 def _cached_reader(path: str, size: int, mtime_ns: int):
-    return _reader(path)
+    """The file's tensor table (``gguf_index``: milliseconds), or ``GGUFReader`` where that
+    cannot read it (another version or byte order)."""
+    try:
+        index = read_index(path)
+    except ImportError:
+        return _reader(path)  # which names the missing package
+    except (ValueError, struct.error, OSError) as e:
+        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    return index if index is not None else _reader(path)
 
 
 def release_readers() -> None:
@@ -197,8 +209,8 @@ def release_readers() -> None:
 def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
     """Every tensor of the file, renamed and laid out as the Hugging Face checkpoint has it.
 
-    The parsed file is kept for the next call (the quantization plan and the weight loader
-    both walk it; parsing a large vocabulary takes seconds)."""
+    The parsed table is kept for the next call (the quantization plan and the weight loader
+    both walk it)."""
     st = os.stat(path)
     reader = _cached_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
     arch = architecture(reader, path)

@@ -68,6 +68,7 @@ from compile_runtime.runner.step_inputs import (
     capture_query_lens,
     check_token_ids,
     flatten_step,
+    hidden_rows,
     logits_rows,
     query_start_loc,
 )
@@ -329,7 +330,7 @@ class ModelRunner:
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.
-        logits = self.model.compute_logits(_rows_of(hidden, rows.indices))
+        logits = self.model.compute_logits(hidden_rows(hidden, rows.indices))
         prompt = {}
         if rows.prompt_spans and logits is not None:
             prompt = prompt_logprobs(batch, rows.prompt_spans, logits[rows.num_sampling_rows :])
@@ -396,11 +397,3 @@ class ModelRunner:
             output.sampled_token_ids.append(ids)
             output.logprobs.append(lps)
         return output
-
-
-def _rows_of(hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
-    """``hidden[indices]``; a view when they are its first rows in order (a decode step)."""
-    n = len(indices)
-    if n and indices[-1] == n - 1 and (n == 1 or (np.diff(indices) == 1).all()):
-        return hidden[:n]
-    return hidden[torch.from_numpy(indices).to(hidden.device)]

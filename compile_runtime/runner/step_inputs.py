@@ -222,6 +222,14 @@ def logits_rows(
     )
 
 
+def hidden_rows(hidden: torch.Tensor, indices: np.ndarray) -> torch.Tensor:
+    """``hidden[indices]``; a view when they are its first rows in order (a decode step)."""
+    n = len(indices)
+    if n and indices[-1] == n - 1 and (n == 1 or (np.diff(indices) == 1).all()):
+        return hidden[:n]
+    return hidden[torch.from_numpy(indices).to(hidden.device)]
+
+
 def prompt_logprob_spans(step: StepInputs, batch: InputBatch) -> list[PromptSpan]:
     """This step's prompt positions scored for the requests that want prompt logprobs."""
     if not batch.prompt_logprob_req_ids:
