@@ -100,15 +100,28 @@ class CompiledForward:
     def model(self) -> torch.nn.Module:
         return self.forward.__self__
 
+    def load_saved_program(self, *args: Any, **kwargs: Any) -> bool:
+        """Install the saved program for calls like this one, running nothing: True when
+        there is one (the first call then traces nothing, at any size of the dynamic dims)."""
+        if self.direct is not None or self.traced:
+            return self.direct is not None
+        if self.graph_compiler is None or not self.load_program:
+            return False
+        bound = self.signature.bind(*args, **kwargs)
+        plan = program.program_for_call(self, bound.arguments)
+        direct = None if plan is None else program.load(self, plan[0])
+        if direct is None:
+            return False
+        self.none_pattern = self._record_none_pattern(bound)
+        self.direct, self.traced = direct, True
+        return True
+
     def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        if self.load_saved_program(*args, **kwargs):
+            return self.direct(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
         self.none_pattern = self._record_none_pattern(bound)
         plan = program.program_for_call(self, bound.arguments)
-        if plan is not None and self.load_program:
-            self.direct = program.load(self, plan[0])
-            if self.direct is not None:
-                self.traced = True
-                return self.direct(*args, **kwargs)
         if plan is not None:
             self.graph_compiler.program_builder = program.DraftBuilder(self.model_name)
         for name, dims in self.dims.items():

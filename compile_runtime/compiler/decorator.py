@@ -196,6 +196,13 @@ def trace_key_factors(model: torch.nn.Module, *args: Any, **kwargs: Any) -> list
     return [c.graph_compiler.key_factors for c in forwards if c.graph_compiler.key_factors]
 
 
+def load_saved_program(model: torch.nn.Module, *args: Any, **kwargs: Any) -> bool:
+    """Install the saved program of ``model``'s compiled forward for calls like this one,
+    running nothing: True when it has one (its first call then traces nothing)."""
+    compiled = model.__dict__.get("_compile_runtime")
+    return compiled is not None and compiled.load_saved_program(*args, **kwargs)
+
+
 def trace_at_first_call(model: torch.nn.Module) -> None:
     """Make ``model``'s compiled forwards trace at their first call, loading no saved
     program: for what walks the FX split graph (``verify``), which a program does without."""

@@ -19,6 +19,7 @@ rank appends the same ones.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ from compile_runtime.runner.startup import (
     StartupTimes,
     allocate_kv_cache_for,
     allocated_bytes,
+    first_forward_tokens,
     profile_metadata,
 )
 from compile_runtime.runner.step_inputs import (
@@ -177,21 +179,20 @@ class ModelRunner:
         cache, capture the graphs."""
         start = time.perf_counter()
         programs = compilation_counter.num_programs_loaded
-        n = self.max_num_tokens
-        # The bare compiled model (graphs are planned after it), on the profile batch: n tokens
-        # in max_num_seqs requests over a throwaway cache (startup.py).
-        profile = profile_metadata(
+        # The bare compiled model (graphs planned after it) on the profile batch (startup.py).
+        profile = functools.partial(
+            profile_metadata,
             self.layers,
             self.metadata_groups,
             self.buffers.slot_mapping,
             self.config,
-            n,
-            self.input_batch.block_table.max_blocks_per_req,
-            self.dtype,
-            self.device,
+            max_blocks_per_req=self.input_batch.block_table.max_blocks_per_req,
+            dtype=self.dtype,
+            device=self.device,
         )
+        n = first_forward_tokens(self.model.model, self.buffers, self.max_num_tokens, profile)
         # (The metadata outside inference mode: the builders' buffers it makes are kept.)
-        with profile as metadata, torch.inference_mode():
+        with profile(n) as metadata, torch.inference_mode():
             with set_forward_context(metadata, num_tokens=n):
                 self.model.model(*self.buffers.forward_args(n))
         times = self.startup

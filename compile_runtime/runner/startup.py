@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +35,7 @@ from compile_runtime.attention.kv_cache import (
     kv_cache_bytes_per_block,
     kv_cache_shape,
 )
+from compile_runtime.compiler.decorator import load_saved_program
 from compile_runtime.config import RunnerConfig
 from compile_runtime.runner.attention_groups import MetadataGroups, build_metadata
 from compile_runtime.runner.kv_sizing import (
@@ -43,7 +44,7 @@ from compile_runtime.runner.kv_sizing import (
     cuda_kv_budget,
     most_blocks_needed,
 )
-from compile_runtime.runner.step_inputs import profile_query_lens, query_start_loc
+from compile_runtime.runner.step_inputs import StepBuffers, profile_query_lens, query_start_loc
 
 if TYPE_CHECKING:
     from compile_runtime.attention.layer import Attention
@@ -89,6 +90,29 @@ class StartupTimes:
 def allocated_bytes(device: torch.device) -> int:
     """Device memory torch holds now (0 off CUDA): the runner's own use is measured from it."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+
+
+# The start-up's first forward on a CPU with a saved program: enough tokens to run every
+# path of the program once (the largest capture size runs next, at capture's warm-up).
+FIRST_FORWARD_TOKENS = 64
+
+
+def first_forward_tokens(
+    model: torch.nn.Module,
+    buffers: StepBuffers,
+    max_num_tokens: int,
+    profile: Callable[[int], contextlib.AbstractContextManager[Any]],
+) -> int:
+    """Tokens of the start-up's first forward: ``max_num_tokens`` (the profile of the largest
+    step, and the first trace's size), but on a CPU, where no memory is profiled, a model
+    with a saved program loads it and runs a small step: not seconds of a 2-core prefill.
+    ``profile(n)``: the first forward's context (``profile_metadata``), where the program's
+    key is what the forward's will be."""
+    if buffers.device.type != "cpu":
+        return max_num_tokens
+    with profile(max_num_tokens), torch.inference_mode():
+        found = load_saved_program(model, *buffers.forward_args(max_num_tokens))
+    return min(max_num_tokens, FIRST_FORWARD_TOKENS) if found else max_num_tokens
 
 
 @contextlib.contextmanager
