@@ -179,7 +179,7 @@ class ModelRunner:
         cache, capture the graphs."""
         start = time.perf_counter()
         programs = compilation_counter.num_programs_loaded
-        # The bare compiled model (graphs planned after it) on the profile batch (startup.py).
+        # The bare compiled model (graphs planned after it) on the profile batch (startup.py)
         profile = functools.partial(
             profile_metadata,
             self.layers,
@@ -196,7 +196,7 @@ class ModelRunner:
             with set_forward_context(metadata, num_tokens=n):
                 self.model.model(*self.buffers.forward_args(n))
         times = self.startup
-        times.first_forward = time.perf_counter() - start
+        times.first_forward, times.first_forward_tokens = time.perf_counter() - start, n
         times.saved_program = compilation_counter.num_programs_loaded > programs
         times.compile = backend_seconds(self.model)
         plan = self.cudagraph_plan = plan_cudagraphs(

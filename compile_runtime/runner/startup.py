@@ -62,6 +62,7 @@ class StartupTimes:
     first_forward: float = 0.0  # trace + compile, or load the saved program, + one forward
     compile: float = 0.0  # of which our backend: passes, split, compile or load the pieces
     saved_program: bool = False  # the first forward ran a saved program: no trace at all
+    first_forward_tokens: int = 0  # its size (first_forward_tokens)
     kv_cache: float = 0.0
     graphs: float = 0.0  # graph capture (CUDA graphs, or CPU graphs on a CPU)
     graph_sizes: str = ""  # which sizes were captured in which mode (the capture report's)
@@ -75,7 +76,10 @@ class StartupTimes:
 
     def summary(self) -> str:
         if self.saved_program:
-            model = f"saved program {self.first_forward:.2f} s (no trace, no compile)"
+            model = (
+                f"saved program {self.first_forward:.2f} s (no trace, no compile, "
+                f"{self.first_forward_tokens} tokens run)"
+            )
         else:
             trace = max(self.first_forward - self.compile, 0.0)
             model = f"trace {trace:.2f} s, compile {self.compile:.2f} s"
