@@ -1,7 +1,7 @@
 """A GGUF file's scalar metadata and tensor table, read in milliseconds.
 
 ``gguf.GGUFReader`` parses every metadata value into numpy views, the tokenizer's ~100k
-strings included: 6 s for SmolLM2's file on 2 Zen 3 cores, at every start. The weights
+strings included, at every start (seconds: the README's start-up figures). The weights
 need only the scalars (architecture, head counts) and the tensor table, so this reads the
 header with ``struct`` and steps over array values (a string array by its lengths alone).
 The tensors it lists are what ``GGUFReader``'s are to ``GGUFTensor``: a name, the
