@@ -84,6 +84,53 @@ static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t
 
 DEFINE_GEMV(gemv_bf16, uint16_t, tile_bf16, bf16_to_f32, f32_to_bf16)
 int gemv_has_bf16(void) { return 1; }
+#elif defined(__AVX2__) && defined(__FMA__)
+/* Without AVX512-BF16 (AMD Zen 3, Intel before Cooper Lake): 8 bf16 widened to float32 by a
+ * shift, then the float32 tile's FMAs. The weight is half float32's bytes, so a row of x
+ * takes about half the time where reading the weight is the cost; torch's own bf16 linear
+ * has no fast path on these CPUs. */
+static inline __m256 bf16x8(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+static inline __m256 bf16x8_tail(const uint16_t* p, int64_t n) {
+    uint16_t part[8] = {0};
+    memcpy(part, p, n * sizeof(uint16_t));
+    return bf16x8(part);
+}
+
+static inline void tile_bf16(const uint16_t* x, int64_t x_stride, const uint16_t* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    __m256 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t tail = K % 8;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = bf16x8(x + i * x_stride + k);
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            const __m256 wv = bf16x8(w0 + r * K + k);
+            for (int i = 0; i < MR; i++) acc[i * ROWS + r] = _mm256_fmadd_ps(xv[i], wv, acc[i * ROWS + r]);
+        }
+    }
+    if (tail) {
+        __m256 xv[4];
+        for (int i = 0; i < MR; i++) xv[i] = bf16x8_tail(x + i * x_stride + k, tail);
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 wv = bf16x8_tail(w0 + r * K + k, tail);
+            for (int i = 0; i < MR; i++) acc[i * ROWS + r] = _mm256_fmadd_ps(xv[i], wv, acc[i * ROWS + r]);
+        }
+    }
+    for (int i = 0; i < MR; i++) {  /* the four rows' sums of x row i, by horizontal adds */
+        const __m256* a = acc + i * ROWS;
+        const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_storeu_ps(res + i * ROWS, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+}
+
+DEFINE_GEMV(gemv_bf16, uint16_t, tile_bf16, bf16_to_f32, f32_to_bf16)
+int gemv_has_bf16(void) { return 1; }
 #else
 int gemv_has_bf16(void) { return 0; }
 #endif

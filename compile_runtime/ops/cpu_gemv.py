@@ -12,23 +12,33 @@ at one row took 10.4 ms in bf16 (oneDNN 14.5) and 19.9 ms in float32 (oneDNN
 25.0, MKL 20.8). With more rows the weight is reused and the GEMV becomes bound by
 its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. The C is
 ``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
-Zen 3) runs the float32 tile with 8-float vectors; without AVX512-BF16, bf16 keeps the
-oneDNN path, as does every dtype without a C compiler.
+Zen 3) runs both tiles with 8-float vectors (bf16 widened by a shift: half the bytes of
+float32 to read); without AVX2, or without a C compiler, every dtype keeps the oneDNN path.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
 import torch
 
 from compile_runtime.ops.native_function import NativeFunction
 
+
 # Rows up to which the GEMV beats oneDNN's packed GEMM (all of SmolLM2's weights, 2 cores):
 # bf16 at 1/2/4 rows 10.4/11.6/13.7 ms against 14.5 (oneDNN is flat to 16 rows, then the
 # GEMV is compute-bound: 19.3 ms at 8); float32 at 1/2/4/8/16 rows 19.9/19.9/21.0/25.4/33.8
 # ms against 25.0/26.4/27.6/32.5/36.8, even at 32 (48.2 against 47.4).
-MAX_ROWS = {torch.bfloat16: 4, torch.float32: 16}
+# Without oneDNN's bf16 (no AVX512-BF16 or AMX: AMD Zen 3) the other bf16 path is torch's
+# own linear, which the AVX2 GEMV beats at every row count: all of SmolLM2's weights at
+# 1/2/4/8/16/32 rows took 36/40/48/89/142/244 ms against 47/80/159/417/599/1313 (Zen 3, 2
+# cores, while another job ran): there the GEMV takes every bf16 linear.
+def _most_bf16_rows() -> int:
+    return 4 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else sys.maxsize
+
+
+MAX_ROWS = {torch.bfloat16: _most_bf16_rows(), torch.float32: 16}
 MOST_ROWS = max(MAX_ROWS.values())
 
 
