@@ -39,7 +39,7 @@ from compile_runtime.ops.cpu_amx import MAX_ROWS as MAX_AMX_ROWS
 from compile_runtime.ops.cpu_amx import amx_linear
 from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
-from compile_runtime.ops.cpu_gemv import gemv_linear
+from compile_runtime.ops.cpu_gemv import gemv_dtypes, gemv_linear
 from compile_runtime.ops.cpu_quant_gemm import pack_for_kernel, quant_linear
 from compile_runtime.ops.hugepages import move_into_hugepages
 
@@ -130,6 +130,15 @@ def can_pack(weight: torch.Tensor) -> bool:
     )
 
 
+def _gemv_reads(weight: torch.Tensor) -> bool:
+    return (
+        isinstance(weight, torch.Tensor)
+        and weight.device.type == "cpu"
+        and weight.dim() == 2
+        and weight.dtype in gemv_dtypes()
+    )
+
+
 def pack_weight(weight: torch.Tensor) -> None:
     """Make (or refresh) the packed copy of ``weight``; dropped when ``weight`` is freed."""
     key = weight.data_ptr()
@@ -157,9 +166,12 @@ def pack_linear_weights(model: nn.Module) -> int:
     """Pack ``weight`` of every module that has a ``use_packed_weight`` flag; set the flag.
 
     Call after the weights are loaded and before the first forward (the flag is
-    read when the forward is traced). Returns how many weights were packed.
+    read when the forward is traced). Returns how many weights were packed. A float
+    weight oneDNN cannot take in its dtype here (bf16 without AVX512-BF16 or AMX) is
+    flagged too when the GEMV reads that dtype: ``cpu_linear`` then runs it by the GEMV,
+    ``F.linear`` past the GEMV's rows.
     """
-    quantized, floats = [], []
+    quantized, floats, gemv_only = [], [], []
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if hasattr(module, "use_packed_weight") and is_quantized(weight):
@@ -168,6 +180,10 @@ def pack_linear_weights(model: nn.Module) -> int:
         elif hasattr(module, "use_packed_weight") and can_pack(weight):
             floats.append(weight)
             module.use_packed_weight = True
+        elif hasattr(module, "use_packed_weight") and _gemv_reads(weight):
+            gemv_only.append(weight)  # no oneDNN copy in this dtype here: the GEMV's alone
+            module.use_packed_weight = True
+    move_into_hugepages(list({id(w): w for w in gemv_only}.values()))
     count = _pack_floats(floats)
     pack_for_kernel(quantized)  # in place: the int8 kernel's layout, same bytes
     logger.info("packed %d linear weights for oneDNN (CPU)", count)
@@ -184,7 +200,10 @@ def repack_linear_weights(model: nn.Module) -> None:
     for module in model.modules():
         if not getattr(module, "use_packed_weight", False):
             continue
-        (quantized if is_quantized(module.weight) else floats).append(module.weight)
+        if is_quantized(module.weight):
+            quantized.append(module.weight)
+        elif can_pack(module.weight):  # not the GEMV-only weights: nothing to refresh
+            floats.append(module.weight)
     _pack_floats(floats)
     pack_for_kernel(quantized)  # once: a packed weight is left as it is
 
