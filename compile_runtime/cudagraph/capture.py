@@ -102,8 +102,9 @@ def capture(
     that is not a uniform decode).
     ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
     ``graph_pool``: the CPU graphs' pool (``cpu_graph.CPUGraphPool``) when they are CPU
-    graphs; they are then captured dry (``cpu_graph.dry_captures``: recorded, not run). A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out
-    of the dispatcher, named in the report and in one log line; its batches run unreplayed.
+    graphs; they are then captured dry (``cpu_graph.dry_captures``: recorded, not run).
+    A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out of the
+    dispatcher, named in the report and in one log line; its batches run unreplayed.
     """
     descriptors = dispatcher.capture_descriptors()
     report = CaptureReport(kind="CUDA" if graph_pool is None else "CPU")
