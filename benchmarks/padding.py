@@ -1,7 +1,7 @@
 """Padded-token waste of the default capture-size ladder vs sizes planned from the workload.
 
 Three synthetic but realistic workloads, each the step sizes that our own
-scheduler (compile_runtime/runner/scheduler.py: continuous batching, chunked
+scheduler (compile_runtime/core/scheduler.py: continuous batching, chunked
 prefill, max_num_seqs=64, max_num_batched_tokens=512) produces for a
 stream of requests:
 
@@ -69,10 +69,10 @@ from compile_runtime.planner.sizes import (  # noqa: E402
     plan_sizes,
 )
 from compile_runtime.planner.workload import Workload  # noqa: E402
-from compile_runtime.runner.request import Request  # noqa: E402
-from compile_runtime.runner.sampling_params import SamplingParams  # noqa: E402
-from compile_runtime.runner.scheduler import Scheduler  # noqa: E402
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput  # noqa: E402
+from compile_runtime.core.request import Request  # noqa: E402
+from compile_runtime.core.sampling_params import SamplingParams  # noqa: E402
+from compile_runtime.core.scheduler import Scheduler  # noqa: E402
+from compile_runtime.core.scheduler_output import ModelRunnerOutput  # noqa: E402
 
 MAX_NUM_SEQS = 64
 BUDGET = 512

@@ -167,7 +167,7 @@ def worker_sides():
             return [chat_prompt_ids(c, self.llm.tokenizer) for c in conversations]
 
         def run(self, requests: list[dict]) -> tuple[list, float]:
-            from compile_runtime.runner.sampling_params import StructuredOutputsParams
+            from compile_runtime.core.sampling_params import StructuredOutputsParams
 
             params = sampling_params(self.cr.SamplingParams, StructuredOutputsParams, requests)
             start = time.perf_counter()

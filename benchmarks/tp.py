@@ -37,7 +37,7 @@ CONFIGS = {
 
 def empty_step_ms(llm, iters: int = 200) -> float:
     """Median round trip of a step that schedules nothing: pure executor overhead."""
-    from compile_runtime.runner.scheduler_output import SchedulerOutput
+    from compile_runtime.core.scheduler_output import SchedulerOutput
 
     times = []
     for _ in range(iters):

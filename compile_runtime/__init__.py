@@ -29,7 +29,7 @@ _LAZY = {
     "LLM": "compile_runtime.engine.llm",
     "RequestOutput": "compile_runtime.engine.outputs",
     "CompletionOutput": "compile_runtime.engine.outputs",
-    "SamplingParams": "compile_runtime.runner.sampling_params",
+    "SamplingParams": "compile_runtime.core.sampling_params",
     "StepFailedError": "compile_runtime.engine.llm",
 }
 

@@ -17,7 +17,7 @@ from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
-from compile_runtime.runner.startup import ModelRunnerError
+from compile_runtime.worker.startup import ModelRunnerError
 from compile_runtime.server.tool_parsers import PARSERS
 from compile_runtime.version import __version__
 
@@ -148,7 +148,7 @@ def _engine(args: argparse.Namespace):
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from compile_runtime.runner.sampling_params import SamplingParams
+    from compile_runtime.core.sampling_params import SamplingParams
 
     llm = _engine(args)
     params = SamplingParams(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_runtime.runner import cpu_threads
+from compile_runtime.worker import cpu_threads
 
 
 def test_default_subtracts_busy_cores_and_splits_over_ranks(monkeypatch):

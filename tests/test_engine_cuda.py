@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.kv_sizing import most_blocks_needed
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.worker.kv_sizing import most_blocks_needed
+from compile_runtime.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
 

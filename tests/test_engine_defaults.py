@@ -14,8 +14,8 @@ import compile_runtime as cr
 from compile_runtime.config import ConfigError, RunnerConfig
 from compile_runtime.models import dtype as dtype_module
 from compile_runtime.models.dtype import resolve_dtype
-from compile_runtime.runner import kv_sizing
-from compile_runtime.runner.kv_sizing import kv_bytes_per_token, size_runner_config
+from compile_runtime.worker import kv_sizing
+from compile_runtime.worker.kv_sizing import kv_bytes_per_token, size_runner_config
 
 EAGER = {"backend": "eager"}
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64.

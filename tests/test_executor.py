@@ -19,7 +19,7 @@ import pytest
 from compile_runtime.distributed import TensorParallelConfigError
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor import WorkerDiedError, executor_class
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 # Ray must use the loopback address only; read when ray is first imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

@@ -43,7 +43,7 @@ from compile_runtime.config import (
     resolve_cudagraph_mode,
 )
 from compile_runtime.engine.llm import LLM, StepFailedError
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.testing.toy import SumAttention
 
 counter = cr.compilation_counter

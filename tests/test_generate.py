@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -96,8 +96,8 @@ def test_text_prompts_and_stop_conditions(model_dirs):
 
 
 def test_runner_rejects_double_execute(model_dirs):
-    from compile_runtime.runner.model_runner import ModelRunnerError
-    from compile_runtime.runner.scheduler_output import SchedulerOutput
+    from compile_runtime.worker.model_runner import ModelRunnerError
+    from compile_runtime.core.scheduler_output import SchedulerOutput
 
     llm = LLM(model_dirs("llama"), {"mode": "NONE"}, max_num_seqs=2, max_num_batched_tokens=32)
     llm.runner.execute_model(SchedulerOutput())  # an empty batch returns at once

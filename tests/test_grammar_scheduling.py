@@ -9,10 +9,10 @@ import threading
 import pytest
 from transformers import AutoTokenizer
 
-from compile_runtime.runner.request import Request
-from compile_runtime.runner.sampling_params import SamplingParams, StructuredOutputsParams
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.structured_output import StructuredOutputManager
+from compile_runtime.core.request import Request
+from compile_runtime.core.sampling_params import SamplingParams, StructuredOutputsParams
+from compile_runtime.core.scheduler import Scheduler
+from compile_runtime.core.structured_output import StructuredOutputManager
 
 
 class SlowGrammars(StructuredOutputManager):

@@ -22,7 +22,7 @@ from compile_runtime.engine.llm import LLM
 from compile_runtime.models.llama import MLP, CausalLM, activation
 from compile_runtime.models.loader import NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.testing.model_dirs import make_model_dir, tiny_config
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import compile_runtime as cr
-from compile_runtime.runner.sampler import sampling_probs
-from compile_runtime.runner.sampling_metadata import SamplingMetadata
+from compile_runtime.worker.sampler import sampling_probs
+from compile_runtime.worker.sampling_metadata import SamplingMetadata
 
 PROMPTS = [[5, 6, 7], list(range(10, 30))]
 

@@ -7,7 +7,7 @@ from compile_runtime.passes import Phase
 
 from compile_runtime.compiler.decorator import compiled_model
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -228,7 +228,7 @@ def test_plan_sizes_cli_bad_arguments_exit_2(argv, capsys):
 
 def test_recorded_generation_plans_the_sizes_of_the_next_start(model_dirs, tmp_path):
     from compile_runtime.engine.llm import LLM
-    from compile_runtime.runner.sampling_params import SamplingParams
+    from compile_runtime.core.sampling_params import SamplingParams
 
     model = model_dirs("llama")
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64)

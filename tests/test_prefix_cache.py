@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from test_scheduler import FakeRunner, check_invariants, run
 
 from compile_runtime.engine.llm import LLM, StepFailedError
-from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
-from compile_runtime.runner.request import Request
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
+from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.core.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
+from compile_runtime.core.request import Request
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler import Scheduler
+from scheduler_invariants import check_scheduler_invariants
 
 EAGER = {"backend": "eager"}
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 EAGER = {"backend": "eager"}
 PROMPT = list(range(40, 75))  # 35 tokens: several 4-token blocks, several 8-token chunks

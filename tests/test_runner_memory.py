@@ -17,15 +17,15 @@ from compile_runtime.config import CUDAGraphMode, RunnerConfig
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor.base import ExecutorError
-from compile_runtime.runner import startup
-from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.kv_sizing import (
+from compile_runtime.worker import startup
+from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     cuda_kv_budget,
     most_blocks_needed,
 )
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.step_inputs import (
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.worker.step_inputs import (
     StepBuffers,
     StepInputs,
     pins_staging,

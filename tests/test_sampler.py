@@ -11,19 +11,19 @@ import math
 import pytest
 import torch
 
-from compile_runtime.runner.sampler import (
+from compile_runtime.worker.sampler import (
     Sampler,
     apply_logit_bias,
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
 )
-from compile_runtime.runner.sampling_metadata import (
+from compile_runtime.worker.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
     make_generator,
 )
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 INF = float("inf")
 
@@ -297,7 +297,7 @@ def test_logits_shape_must_match_batch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_tokens_equal_argmax_with_ties_nan_and_inf(dtype):
     """greedy_tokens (numpy on a CPU): its indices must be argmax's, first index on ties."""
-    from compile_runtime.runner.sampler import greedy_tokens
+    from compile_runtime.worker.sampler import greedy_tokens
 
     torch.manual_seed(0)
     logits = torch.randint(0, 4, (6, 5000)).to(dtype)  # many ties in every row

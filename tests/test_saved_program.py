@@ -90,7 +90,7 @@ def test_a_second_engine_in_one_process_loads_the_first_ones_cache_entry(model_d
 def test_a_warm_cpu_start_runs_a_small_first_forward_not_the_largest_step(model_dirs):
     """The cold start traces at max_num_batched_tokens; a warm one (its saved program found
     before the first forward) runs FIRST_FORWARD_TOKENS, and its tokens are the same."""
-    from compile_runtime.runner.startup import FIRST_FORWARD_TOKENS
+    from compile_runtime.worker.startup import FIRST_FORWARD_TOKENS
 
     options = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=512)
     config = {"backend": "inductor", "cudagraph_mode": "NONE", "compile_sizes": []}

@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.request import Request, RequestStatus
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler import Scheduler
+from scheduler_invariants import check_scheduler_invariants
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2
 

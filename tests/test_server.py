@@ -16,7 +16,7 @@ import openai
 from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
 
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

@@ -26,17 +26,17 @@ from compile_runtime.config import (
 )
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.ngram_proposer import NgramProposer
-from compile_runtime.runner.rejection_sampler import rejection_sample
-from compile_runtime.runner.request import Request
-from compile_runtime.runner.sampling_metadata import (
+from compile_runtime.worker.ngram_proposer import NgramProposer
+from compile_runtime.worker.rejection_sampler import rejection_sample
+from compile_runtime.core.request import Request
+from compile_runtime.worker.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
     make_generator,
 )
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.scheduler_invariants import check_scheduler_invariants
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler import Scheduler
+from scheduler_invariants import check_scheduler_invariants
 
 EAGER = {"backend": "eager"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -384,7 +384,7 @@ def copier(model_dirs, tmp_path_factory):
 def simulate_full_graphs_on_cpu(monkeypatch) -> None:
     """The runner plans FULL graphs as on CUDA, with a graph double whose replay reruns the
     model (test_verify.RerunFactory): the steps that would replay a graph on a GPU do here."""
-    from compile_runtime.runner import cudagraph_plan
+    from compile_runtime.worker import cudagraph_plan
 
     wrap, resolve = cudagraph_plan.wrap_full_model, CompilationConfig.resolve
     monkeypatch.setattr(

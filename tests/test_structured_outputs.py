@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compile_runtime as cr
-from compile_runtime.runner.grammar_bitmask import apply_grammar_bitmask
-from compile_runtime.runner.sampling_params import StructuredOutputsParams as Constraint
+from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
+from compile_runtime.core.sampling_params import StructuredOutputsParams as Constraint
 from compile_runtime.testing.smollm2 import smollm2_gguf
 
 CITY = {
@@ -179,8 +179,8 @@ def test_a_token_outside_the_grammar_aborts_its_request_never_a_quiet_answer():
     from transformers import AutoTokenizer
 
     from compile_runtime.models.gguf import gguf_model_dir
-    from compile_runtime.runner.request import Request, RequestStatus
-    from compile_runtime.runner.structured_output import StructuredOutputManager
+    from compile_runtime.core.request import Request, RequestStatus
+    from compile_runtime.core.structured_output import StructuredOutputManager
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(smollm2_gguf()))
     manager = StructuredOutputManager(tokenizer, 49152, (2,))

@@ -160,7 +160,7 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
 def test_runner_resolves_cudagraph_mode_from_the_split(model_dirs):
     """The runner resolves the mode once, after the trace: the split decides."""
     from compile_runtime.config import RunnerConfig
-    from compile_runtime.runner.model_runner import ModelRunner
+    from compile_runtime.worker.model_runner import ModelRunner
 
     config = cr.CompilationConfig(
         backend="eager", splitting_ops=["aten::mm"], cudagraph_mode="PIECEWISE"

@@ -92,7 +92,7 @@ class RunnerConfig(CheckedConfig):
 
     # Defaults chosen on the real model (SmolLM2-135M, 2 CPU cores, the mixed workload of
     # benchmarks/vs_vllm.py): enough requests and tokens per step that a CPU's GEMMs run at
-    # full width; runner/kv_sizing.py fills what is None from the model and the machine.
+    # full width; worker/kv_sizing.py fills what is None from the model and the machine.
     max_num_seqs: int = Field(256, ge=1, description="requests in one step, e.g. 256")
     max_num_batched_tokens: int = Field(
         2048, ge=1, description="tokens in one step (prefill chunks + decodes), e.g. 2048"
@@ -156,7 +156,7 @@ class RunnerConfig(CheckedConfig):
         "float checkpoint stays float ('none'); 'int8': a float checkpoint's linear weights "
         "quantized to int8 per block of 32 (Q8_0); 'none' dequantizes a GGUF file",
     )
-    # CPU: torch/OpenMP threads of this process; None = free cores (runner/cpu_threads.py).
+    # CPU: torch/OpenMP threads of this process; None = free cores (worker/cpu_threads.py).
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of each rank; None uses the free cores"
     )

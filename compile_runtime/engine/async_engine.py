@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from compile_runtime.engine.core import EngineCore, StepError, StepOutput
-from compile_runtime.runner.request import Request
+from compile_runtime.core.request import Request
 
 logger = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from compile_runtime.executor import Executor, ExecutorError
-from compile_runtime.runner.request import Request, RequestStatus
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.stop_rules import ended_by_stop_token
+from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.core.scheduler import Scheduler
+from compile_runtime.core.stop_rules import ended_by_stop_token
 
 
 class StepError(RuntimeError):

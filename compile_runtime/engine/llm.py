@@ -41,14 +41,14 @@ from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
-from compile_runtime.runner.kv_sizing import size_runner_config
-from compile_runtime.runner.model_runner import ModelRunner
-from compile_runtime.runner.prefix_cache import PrefixCacheStats
-from compile_runtime.runner.request import Request
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.scheduler import Scheduler
-from compile_runtime.runner.startup import StartupTimes
-from compile_runtime.runner.structured_output import StructuredOutputManager
+from compile_runtime.worker.kv_sizing import size_runner_config
+from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.core.prefix_cache import PrefixCacheStats
+from compile_runtime.core.request import Request
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler import Scheduler
+from compile_runtime.worker.startup import StartupTimes
+from compile_runtime.core.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +92,7 @@ class LLM:
         ``dtype``: "auto" (models/dtype.py), "float32", "bfloat16", "float16" or a torch dtype.
         ``options``: fields of ``RunnerConfig`` (max_num_seqs, kv_cache_bytes, ...) and of
         ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name;
-        sizes left unset are chosen for the model and the machine (runner/kv_sizing.py)."""
+        sizes left unset are chosen for the model and the machine (worker/kv_sizing.py)."""
         model_dir = model_directory(model)
         self.compilation_config = parse_config(compilation_config)
         _check_option_names(options)

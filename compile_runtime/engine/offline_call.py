@@ -15,9 +15,9 @@ from tqdm import tqdm
 
 from compile_runtime.engine.incremental_text import IncrementalText
 from compile_runtime.engine.outputs import CompletionOutput, GenerateStats
-from compile_runtime.runner.request import Request
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.stop_rules import ended_by_stop_token
+from compile_runtime.core.request import Request
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.stop_rules import ended_by_stop_token
 
 if TYPE_CHECKING:
     from compile_runtime.engine.llm import LLM

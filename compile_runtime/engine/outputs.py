@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compile_runtime.runner.prefix_cache import PrefixCacheStats
-from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
+from compile_runtime.core.prefix_cache import PrefixCacheStats
+from compile_runtime.core.spec_decode_stats import SpecDecodeStats
 
 
 @dataclass

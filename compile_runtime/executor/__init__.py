@@ -2,7 +2,7 @@
 
 ``base.py`` is the interface; this file is the factory: ``make_executor`` checks the
 configuration once, before any worker starts, chooses the CPU thread count every rank
-uses (runner/cpu_threads.py), then starts the executor the backend names.
+uses (worker/cpu_threads.py), then starts the executor the backend names.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from compile_runtime.executor.multiproc import MultiprocExecutor
 from compile_runtime.executor.ray_executor import RayExecutor, import_ray
 from compile_runtime.executor.uniproc import UniProcExecutor
 from compile_runtime.models.llama import ARCHITECTURES
-from compile_runtime.runner.cpu_threads import choose_num_threads
+from compile_runtime.worker.cpu_threads import choose_num_threads
 
 BACKENDS = ("uni", "mp", "ray")
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from compile_runtime.config import EngineConfig
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 if TYPE_CHECKING:
-    from compile_runtime.runner.model_runner import ModelRunner
-    from compile_runtime.runner.startup import StartupTimes
+    from compile_runtime.worker.model_runner import ModelRunner
+    from compile_runtime.worker.startup import StartupTimes
 
 
 class ExecutorError(RuntimeError):

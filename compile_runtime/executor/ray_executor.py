@@ -28,8 +28,8 @@ from compile_runtime.executor.base import (
     ExecutorError,
     WorkerDiedError,
 )
-from compile_runtime.executor.worker import Worker, error_summary
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.worker.worker import Worker, error_summary
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

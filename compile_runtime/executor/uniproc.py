@@ -7,9 +7,9 @@ from typing import Any
 
 from compile_runtime.config import EngineConfig
 from compile_runtime.executor.base import Executor, ExecutorError
-from compile_runtime.executor.worker import Worker
-from compile_runtime.runner.model_runner import ModelRunner
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.worker.worker import Worker
+from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
 class UniProcExecutor(Executor):

@@ -9,7 +9,7 @@ import time
 
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from compile_runtime.engine.llm import LLM
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice

@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from compile_runtime.runner.sampling_params import StructuredOutputsParams
-from compile_runtime.runner.structured_output import check_constraint
+from compile_runtime.core.sampling_params import StructuredOutputsParams
+from compile_runtime.core.structured_output import check_constraint
 
 GUIDED = {
     "guided_json": "json",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from compile_runtime.runner.sampling_params import StructuredOutputsParams
+from compile_runtime.core.sampling_params import StructuredOutputsParams
 from compile_runtime.server.structured import ConstraintError
 from compile_runtime.server.tool_parsers import openai_call
 

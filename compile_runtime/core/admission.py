@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from compile_runtime.runner.request import Request
+from compile_runtime.core.request import Request
 
 
 @dataclass(frozen=True)

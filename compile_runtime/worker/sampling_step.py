@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 
 from compile_runtime.distributed import broadcast_from_first_rank
-from compile_runtime.runner.input_batch import InputBatch, RequestState
-from compile_runtime.runner.rejection_sampler import rejection_sample
-from compile_runtime.runner.sampler import Sampler, gather_logprobs, greedy_tokens
-from compile_runtime.runner.sampling_metadata import RequestSamplingState, SamplingMetadata
-from compile_runtime.runner.step_inputs import PromptSpan
+from compile_runtime.worker.input_batch import InputBatch, RequestState
+from compile_runtime.worker.rejection_sampler import rejection_sample
+from compile_runtime.worker.sampler import Sampler, gather_logprobs, greedy_tokens
+from compile_runtime.worker.sampling_metadata import RequestSamplingState, SamplingMetadata
+from compile_runtime.worker.step_inputs import PromptSpan
 
 
 def sample(

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_runtime.runner.sampling_metadata import SamplingMetadata
+from compile_runtime.worker.sampling_metadata import SamplingMetadata
 
 # (logprob of the chosen token, [(token, logprob), ...] top-k by logprob)
 Logprobs = tuple[float, list[tuple[int, float]]]

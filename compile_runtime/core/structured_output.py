@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from compile_runtime.runner.request import Request, RequestStatus
-from compile_runtime.runner.sampling_params import StructuredOutputsParams
+from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.core.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -38,7 +38,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
-    # Prefix caching: content hashes of its full blocks so far (runner/prefix_cache.py), and
+    # Prefix caching: content hashes of its full blocks so far (core/prefix_cache.py), and
     # how many of its leading blocks are in the cache (found there or put there by it).
     block_hashes: list[bytes] = field(default_factory=list)
     num_cached_blocks: int = 0

@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compile_runtime.runner.block_table import BlockTable
-from compile_runtime.runner.sampling_metadata import make_generator
-from compile_runtime.runner.sampling_params import SamplingParams
-from compile_runtime.runner.scheduler_output import NewRequestData
+from compile_runtime.worker.block_table import BlockTable
+from compile_runtime.worker.sampling_metadata import make_generator
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler_output import NewRequestData
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_runtime.runner.sampler import (
+from compile_runtime.worker.sampler import (
     Logprobs,
     exponential_race,
     gather_logprobs,
@@ -33,7 +33,7 @@ from compile_runtime.runner.sampler import (
     process_logits,
     sampling_probs,
 )
-from compile_runtime.runner.sampling_metadata import SamplingMetadata
+from compile_runtime.worker.sampling_metadata import SamplingMetadata
 
 
 @dataclass

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

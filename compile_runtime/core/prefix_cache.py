@@ -22,8 +22,8 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.request import Request
+from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.core.request import Request
 
 ROOT_HASH = hashlib.blake2b(b"compile_runtime prefix cache v1", digest_size=16).digest()
 

@@ -37,14 +37,14 @@ from compile_runtime.attention.kv_cache import (
 )
 from compile_runtime.compiler.decorator import load_saved_program
 from compile_runtime.config import RunnerConfig
-from compile_runtime.runner.attention_groups import MetadataGroups, build_metadata
-from compile_runtime.runner.kv_sizing import (
+from compile_runtime.attention.groups import MetadataGroups, build_metadata
+from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     blocks_per_request,
     cuda_kv_budget,
     most_blocks_needed,
 )
-from compile_runtime.runner.step_inputs import StepBuffers, profile_query_lens, query_start_loc
+from compile_runtime.worker.step_inputs import StepBuffers, profile_query_lens, query_start_loc
 
 if TYPE_CHECKING:
     from compile_runtime.attention.layer import Attention

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from compile_runtime.runner.request import Request, RequestStatus
-from compile_runtime.runner.sampling_params import SamplingParams
+from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.core.sampling_params import SamplingParams
 
 
 @dataclass

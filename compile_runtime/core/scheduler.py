@@ -47,23 +47,23 @@ import bisect
 import logging
 from collections import deque
 
-from compile_runtime.runner.admission import AdmissionLimits
-from compile_runtime.runner.block_pool import BlockPool
-from compile_runtime.runner.prefix_cache import (
+from compile_runtime.core.admission import AdmissionLimits
+from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.core.prefix_cache import (
     PrefixCacheStats,
     cache_computed_blocks,
     find_cached_prefix,
 )
-from compile_runtime.runner.request import Request, RequestStatus
-from compile_runtime.runner.scheduler_output import (
+from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     check_runner_output,
 )
-from compile_runtime.runner.spec_decode_stats import SpecDecodeStats
-from compile_runtime.runner.stop_rules import append_until_stop, capped_drafts
-from compile_runtime.runner.structured_output import StructuredOutputManager, check_constraint
+from compile_runtime.core.spec_decode_stats import SpecDecodeStats
+from compile_runtime.core.stop_rules import append_until_stop, capped_drafts
+from compile_runtime.core.structured_output import StructuredOutputManager, check_constraint
 
 logger = logging.getLogger(__name__)
 

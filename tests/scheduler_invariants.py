@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from compile_runtime.runner.scheduler import Scheduler
+from compile_runtime.core.scheduler import Scheduler
 
 
 def check_scheduler_invariants(scheduler: Scheduler) -> None:

@@ -47,17 +47,17 @@ from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.capture_sizes import cpu_capture_config
 from compile_runtime.planner.workload import Workload
-from compile_runtime.runner.attention_groups import build_metadata, metadata_groups
-from compile_runtime.runner.cpu_threads import set_num_threads
-from compile_runtime.runner.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
-from compile_runtime.runner.grammar_bitmask import apply_grammar_bitmask
-from compile_runtime.runner.input_batch import InputBatch
-from compile_runtime.runner.kv_sizing import size_runner_config
-from compile_runtime.runner.ngram_proposer import NgramProposer
-from compile_runtime.runner.sampler import Sampler
-from compile_runtime.runner.sampling_step import broadcast_tokens, prompt_logprobs, sample
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
-from compile_runtime.runner.startup import (
+from compile_runtime.attention.groups import build_metadata, metadata_groups
+from compile_runtime.worker.cpu_threads import set_num_threads
+from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
+from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
+from compile_runtime.worker.input_batch import InputBatch
+from compile_runtime.worker.kv_sizing import size_runner_config
+from compile_runtime.worker.ngram_proposer import NgramProposer
+from compile_runtime.worker.sampler import Sampler
+from compile_runtime.worker.sampling_step import broadcast_tokens, prompt_logprobs, sample
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.worker.startup import (
     ModelRunnerError,
     StartupTimes,
     allocate_kv_cache_for,
@@ -65,7 +65,7 @@ from compile_runtime.runner.startup import (
     first_forward_tokens,
     profile_metadata,
 )
-from compile_runtime.runner.step_inputs import (
+from compile_runtime.worker.step_inputs import (
     StepBuffers,
     capture_query_lens,
     check_token_ids,

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 class StructuredOutputsParams(BaseModel):
     """One constraint on a request's output, as vLLM's ``StructuredOutputsParams``: a JSON
     schema, any JSON object, a regular expression, one of some strings, or an EBNF grammar.
-    xgrammar enforces it token by token (runner/structured_output.py)."""
+    xgrammar enforces it token by token (core/structured_output.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
 

@@ -32,8 +32,8 @@ from compile_runtime.counters import compilation_counter
 from compile_runtime.device import default_device
 from compile_runtime.distributed import default_backend, init_distributed
 from compile_runtime.executor.base import WorkerInfo
-from compile_runtime.runner.model_runner import ModelRunner
-from compile_runtime.runner.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ least one token more.
 
 from __future__ import annotations
 
-from compile_runtime.runner.request import Request, RequestStatus
+from compile_runtime.core.request import Request, RequestStatus
 
 
 def stop_status(req: Request, token: int) -> RequestStatus | None:

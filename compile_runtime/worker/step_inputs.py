@@ -27,7 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from compile_runtime.runner.input_batch import InputBatch
+from compile_runtime.worker.input_batch import InputBatch
 
 
 @dataclass
