@@ -358,8 +358,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.distributed_executor_backend is None and (args.device or default_device()) == "cpu":
         # The model in a worker process, so the step loop does not share this process's GIL
-        # with HTTP, JSON and detokenizing: on SmolLM2 (2 cores, 8 streaming clients) 1.57x
-        # the served tokens/s of running it here (benchmarks/serve_vs_vllm.py).
+        # with HTTP, JSON and detokenizing: it serves more tokens/s than running it here
+        # (benchmarks/serve_vs_vllm.py; the README's served table gives both).
         args.distributed_executor_backend = "mp"
     return serve(args, _engine(args))
 

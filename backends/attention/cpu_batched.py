@@ -14,11 +14,10 @@ one ``index_select`` of its cached keys/values and one
   its own queries and keys, a causal mask offset by its cached prefix,
   ``enable_gqa`` (padding every chunk to the longest cost more than the calls).
 
-Measured on 2 cores (33M Llama shapes, 8 heads / 4 KV heads, d=64, 80 cached
-tokens, one layer): batch 32 decode 3.0 ms as a per-request loop, 0.62 ms here
-(about half of it the gather); SDPA's GQA flag costs 10-25% more than the
-grouped view, a hand-written matmul/softmax 2-5x more, and the same math
-compiled by Inductor (gather fused into the loops) was slower than the loop.
+This is far faster than the per-request loop at batch 32 decode; SDPA's GQA flag costs more
+than the grouped view, a hand-written matmul/softmax more still, and the same math
+compiled by Inductor (gather fused into the loops) was slower than the loop (the
+README's "On a CPU" gives the times).
 SDPA cannot soft-cap logits: layers with ``logits_soft_cap`` take that
 hand-written path (``masked_attention``) instead.
 """
@@ -176,7 +175,7 @@ class CPUBatchedImpl(AttentionImpl):
         """[reqs, kv_heads, num_keys, d] views of the group's keys and values (one copy)."""
         _, num_blocks, block_size, num_kv_heads, head_size = kv_cache.shape
         # Keys and values in one gather over whole blocks (rows of the flattened cache):
-        # twice as fast as index_select along the block dim of the 5-d cache.
+        # faster than index_select along the block dim of the 5-d cache.
         rows = group.kv_rows(num_blocks)
         kv = kv_cache.view(2 * num_blocks, -1).index_select(0, rows).to(dtype)
         shape = (2, group.num_reqs, group.num_blocks * block_size, num_kv_heads, head_size)
@@ -206,7 +205,7 @@ class CPUBatchedImpl(AttentionImpl):
         """Chunks of several requests: one SDPA call per request over its own queries and
         keys. Padding every chunk to the longest, as one batched call must, costs more
         than the calls: on SmolLM2's mixed workload (chunks of 8-200 tokens) the padded
-        call did about 3x the attention work."""
+        call did several times the attention work (README, "On a CPU")."""
         spec = self.spec
         k, v = self._keys_values(kv_cache, group, query.dtype)
         mask = group.mask(spec.sliding_window)

@@ -2,8 +2,8 @@
 
 Decode attention with torch ops must first gather each request's keys and
 values out of their blocks into one padded tensor (``index_select``), then run
-SDPA over the copy: the cached keys and values cross memory twice, and on 2
-cores the gather alone was 40-50% of the attention time. This kernel reads
+SDPA over the copy: the cached keys and values cross memory twice, and the
+gather alone was a large part of the attention time. This kernel reads
 the blocks in place through the block table: per (request, KV head), one pass
 for the scores of every query head sharing that KV head (so grouped-query
 attention reads each key once), a softmax, one pass over the values. It also
@@ -11,13 +11,11 @@ writes the step's new keys and values into their slots first, so a layer's
 decode is one call. The common head shapes (head size 64 or 128, 1-4 query
 heads per KV head) get copies with both sizes known at compile time: their
 loops unroll into whole vector registers and the value accumulators stay in
-registers, 0.75x the time of the generic loop on SmolLM2's shape (64 requests
-of ~215 keys, 9/3 heads of 64), with bit-identical results. On top of that the
+registers, faster than the generic loop with bit-identical results. On top of that the
 scores are taken 16 keys at a time (one reduction for 16 dot products), the
 softmax's exp is vectorised, and each next block is prefetched (blocks lie
-anywhere in the cache): that shape went from 1.17 to 0.56 ms per layer in bf16
-and from 1.13 to 0.75 ms in float32 on 2 cores, which is the time to read its
-keys and values from memory at the ~25 GB/s this machine streams.
+anywhere in the cache): on SmolLM2's shape a layer's decode then takes about the
+time to read its keys and values from memory (the README's "On a CPU").
 
 The C is ``compile_runtime/csrc/paged_decode.c``, built and cached by
 ``ops/c_library.py`` (OpenMP over (request, KV head) on torch's own OpenMP runtime).

@@ -127,7 +127,7 @@ def trust_cpu_isa_flags() -> Iterator[None]:
 
     Loading a CPU artifact asks which vector ISA to use only to find its kernel's
     file; the probe behind the answer builds and dlopens a test program per ISA in
-    child processes (about 2 s per process on two cores). The kernels are built
+    child processes (a large part of a warm start). The kernels are built
     already, for this CPU capability (part of the cache key), so the CPU's own
     flags answer. A compile later in the process probes as usual: the list
     computed here is dropped.

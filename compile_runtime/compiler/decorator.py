@@ -6,8 +6,8 @@ the token-count dims marked dynamic, and a guard filter that drops every
 guard. After the first call there is nothing left for Dynamo to check: later
 calls run the bytecode Dynamo produced at the first trace directly, as a plain
 Python function (it gathers the graph inputs and calls the compiled graph),
-so Dynamo's frame hook, cache lookup and stance switch are skipped (about
-0.5 ms per call on a CPU decode step). Should that bytecode not be captured,
+so Dynamo's frame hook, cache lookup and stance switch are skipped (a cost a
+CPU decode step would feel). Should that bytecode not be captured,
 calls go through ``torch.compile`` under a ``fail_on_recompile`` stance,
 which turns any attempt to trace again into an error.
 

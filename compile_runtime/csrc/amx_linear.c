@@ -1,5 +1,5 @@
 /* The AMX bf16 linear layers of compile_runtime/ops/cpu_amx.py (which says what they are
- * for and what they measured). */
+ * for; the README's "On a CPU" what they measured). */
 #include "prelude.h"
 #include "amx_linear.h"
 

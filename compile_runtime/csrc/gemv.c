@@ -1,11 +1,11 @@
-/* The GEMV of compile_runtime/ops/cpu_gemv.py (which says what it is for and what it
- * measured). */
+/* The GEMV of compile_runtime/ops/cpu_gemv.py (which says what it is for; the README's
+ * "On a CPU" what it measured). */
 #include "prelude.h"
 #include "gemv.h"
 
 #define ROWS 4         /* weight rows per tile: four streams from memory */
 #define PREFETCH 8192  /* bytes ahead of each weight row: the hardware prefetcher alone
-                          fell ~30% short of the memory bandwidth on short rows */
+                          fell short of the memory bandwidth on short rows */
 
 /* y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]): x [M, K] rows x_stride apart, w [N, K]
  * contiguous, y [M, N] rows y_stride apart, bias NULL or [N]. A tile is 4 weight rows by

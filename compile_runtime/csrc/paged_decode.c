@@ -1,5 +1,5 @@
 /* Paged decode attention for compile_runtime/backends/attention/cpu_decode_kernel.py
- * (which says what it is for and what it measured). */
+ * (which says what it is for; the README's "On a CPU" what it measured). */
 #include "prelude.h"
 #include "paged_decode.h"
 

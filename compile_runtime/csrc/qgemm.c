@@ -1,5 +1,5 @@
-/* The quantized GEMM of compile_runtime/ops/cpu_quant_gemm.py (which says what it computes,
- * why the layout is so and what it measured): its body for AVX512-VNNI or AVX2, and qrows. */
+/* The quantized GEMM of compile_runtime/ops/cpu_quant_gemm.py (which says what it computes
+ * and why the layout is so): its body for AVX512-VNNI or AVX2, and qrows. */
 #include "prelude.h"
 #include "qgemm.h"
 

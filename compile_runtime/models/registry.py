@@ -61,7 +61,7 @@ def skip_weight_init() -> Iterator[None]:
 
     For models whose every parameter the checkpoint then fills (the loader
     checks it): random initialisation of weights about to be overwritten was
-    the largest part of loading a deep model (~1 s of 2 at 32 layers).
+    the largest part of loading a deep model.
     """
     saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
     for name in _INIT_FUNCTIONS:

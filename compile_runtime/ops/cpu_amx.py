@@ -2,15 +2,13 @@
 
 A decode step of a batch of 5-64 requests reads every weight once and multiplies it
 by a few dozen rows: too many rows for the GEMV (``cpu_gemv.py``: compute-bound past
-four), too few for oneDNN's GEMM to reach the memory bandwidth (it read the weights
-at 12-17 GB/s here). This kernel keeps each weight in AMX's own layout (1 KiB tiles
-of 16 outputs x 32 inputs, the inputs of an output block one tile after another), a
-copy made once at load (``pack``, next to oneDNN's), and multiplies 32 outputs at a
-time by up to 32 rows of x per pass (four accumulator tiles), prefetching the weight
-8 KiB ahead in the first pass; later passes (rows 33-64) find it in cache. All of
-SmolLM2-135M's weights at 1/8/16/32/48/64 rows took 10.6/11.0/11.2/13.3/15.4/18.6 ms
-on 2 cores against oneDNN's 13.6/13.9/14.5/17.3/17.8/20.3 (96 rows: 25.2 against
-24.4, so ``MAX_ROWS`` is 64). Needs a CPU with AMX-BF16 and a Linux that grants tile
+four), too few for oneDNN's GEMM to reach the memory bandwidth. This kernel keeps
+each weight in AMX's own layout (1 KiB tiles of 16 outputs x 32 inputs, the inputs
+of an output block one tile after another), a copy made once at load (``pack``, next
+to oneDNN's), and multiplies 32 outputs at a time by up to 32 rows of x per pass
+(four accumulator tiles), prefetching the weight 8 KiB ahead in the first pass; later passes (rows 33-64) find it in cache. It beats
+oneDNN on SmolLM2-135M's weights up to 64 rows and not past it, so ``MAX_ROWS`` is 64
+(the README's "On a CPU"). Needs a CPU with AMX-BF16 and a Linux that grants tile
 state (``arch_prctl``); else ``amx_available()`` is False and nothing changes.
 Shapes: outputs a multiple of 32, inputs of 32. The C is ``csrc/amx_linear.c``.
 """

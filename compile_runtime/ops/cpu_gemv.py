@@ -1,16 +1,14 @@
 """Linear layers of a few rows on CPU: a GEMV that streams the weight at memory bandwidth.
 
 A decode step of a small batch multiplies a few rows by every weight of the model,
-so its time is the time to read the weights. oneDNN's packed GEMM reached ~16.5
-GB/s here at one to sixteen rows (2 cores, Xeon with AVX512-BF16), MKL's sgemv
-~24 GB/s in float32 at one row, and ``F.linear`` in bf16 ~11.6 GB/s. This kernel
+so its time is the time to read the weights, and oneDNN's packed GEMM, MKL's sgemv
+and ``F.linear`` in bf16 read them below the memory bandwidth. This kernel
 reads each weight row once, four rows at a time with a software prefetch 8 KiB
 ahead, multiplies them by up to four rows of x at a time with AVX512-BF16 dot
 products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
-16 partial sums of a tile together: all 30 layers plus the lm_head of SmolLM2-135M
-at one row took 10.4 ms in bf16 (oneDNN 14.5) and 19.9 ms in float32 (oneDNN
-25.0, MKL 20.8). With more rows the weight is reused and the GEMV becomes bound by
-its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. The C is
+16 partial sums of a tile together, faster than all three on SmolLM2-135M's weights
+(the README's "On a CPU"). With more rows the weight is reused and the GEMV becomes
+bound by its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. The C is
 ``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
 Zen 3) runs both tiles with 8-float vectors (bf16 widened by a shift: half the bytes of
 float32 to read); without AVX2, or without a C compiler, every dtype keeps the oneDNN path.
@@ -27,13 +25,11 @@ from compile_runtime.ops.native_function import NativeFunction
 
 
 # Rows up to which the GEMV beats oneDNN's packed GEMM (all of SmolLM2's weights, 2 cores):
-# bf16 at 1/2/4 rows 10.4/11.6/13.7 ms against 14.5 (oneDNN is flat to 16 rows, then the
-# GEMV is compute-bound: 19.3 ms at 8); float32 at 1/2/4/8/16 rows 19.9/19.9/21.0/25.4/33.8
-# ms against 25.0/26.4/27.6/32.5/36.8, even at 32 (48.2 against 47.4).
+# in bf16 oneDNN's time is flat to 16 rows while the GEMV turns compute-bound past 4; in
+# float32 the GEMV leads to 16 rows and is even at 32 (README, "On a CPU").
 # Without oneDNN's bf16 (no AVX512-BF16 or AMX: AMD Zen 3) the other bf16 path is torch's
-# own linear, which the AVX2 GEMV beats at every row count: all of SmolLM2's weights at
-# 1/2/4/8/16/32 rows took 36/40/48/89/142/244 ms against 47/80/159/417/599/1313 (Zen 3, 2
-# cores, while another job ran): there the GEMV takes every bf16 linear.
+# own linear, which the AVX2 GEMV beats at every row count, by more the more rows:
+# there the GEMV takes every bf16 linear.
 def _most_bf16_rows() -> int:
     return 4 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else sys.maxsize
 

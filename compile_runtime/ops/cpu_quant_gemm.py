@@ -18,9 +18,8 @@ Q4 weights are unpacked in registers (an AND and a shift per 64 bytes). Groups o
 rows are shared out over the threads (OpenMP), each reading its groups front to back
 with a software prefetch 2 KiB ahead; up to 4 rows of x share each group's loads.
 Up to 4 rows of x are quantized before the parallel region (one barrier less).
-Measured in a decode step's order of SmolLM2-135M's 121 linears (30 distinct layers,
-weights streamed from memory, 2 threads): Q8_0 7.4-8.1 ms a token against 8.5-8.7 ms
-for the per-row kernel, Q4_1 3.9-5.1 against 5.6-5.8 ms. ``qrows`` dequantizes rows of
+Faster than the per-row kernel on both formats (the README's "Quantized weights" gives
+the times and ``benchmarks/quantized.py`` the end-to-end speed). ``qrows`` dequantizes rows of
 a packed table (the tied embedding). The C is ``csrc/qgemm.c`` (with the body for the
 CPU's instructions: ``qgemm_avx512.h``, ``qgemm_avx2.h``).
 

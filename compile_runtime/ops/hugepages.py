@@ -6,8 +6,8 @@ token), and the weights sit in whatever pages the loader's allocations got. Move
 into one anonymous mapping that Linux backs with transparent huge pages
 (``madvise(MADV_HUGEPAGE)``: the ``madvise`` and ``always`` settings of
 ``/sys/kernel/mm/transparent_hugepage/enabled``), the same kernel on the same bytes
-ran SmolLM2-135M Q4_1 at 86.5-87.8 tok/s against 78.8-81.2 before the move (batch 1,
-2 cores, one process, measured back to back). Elsewhere (not Linux, THP off) the
+runs faster (the README's "Quantized weights" gives the linears' times before and
+after). Elsewhere (not Linux, THP off) the
 mapping is ordinary memory and nothing is lost but the copy.
 """
 

@@ -5,12 +5,11 @@ output, n from ``max_n`` down to ``min_n`` (the longest n with a match wins); th
 tokens that followed the chosen occurrence, up to k, are the draft. The chosen one
 is the most recent occurrence followed by k known tokens; when every occurrence is
 closer than that to the end (text repeating with a period shorter than k, a model
-looping on one token), the earliest, which is followed by the most. Measured on
-``benchmarks/spec_decode.py`` (k = 4): the most recent occurrence alone drafts one
-token a step on a run of one repeated token (66 steps for 128 tokens, against 32);
-the earliest alone drafts from an old version of a revised text and has a quarter of
-its drafts rejected (38 steps against 32); this rule takes the better of the two on
-both, and all three are the same where the text occurs once. Text that repeats
+looping on one token), the earliest, which is followed by the most. The most recent
+occurrence alone drafts one token a step on a run of one repeated token; the earliest
+alone drafts from an old version of a revised text and has drafts rejected; this rule
+takes the better of the two on both, and all three are the same where the text occurs
+once (``benchmarks/spec_decode.py``, the README's table of rules). Text that repeats
 itself (code, quoted passages, lists, a model looping) gives drafts the model
 accepts; text that does not gives no match and so no draft: a request without a
 match is scheduled for one token as usual, so speculation costs nothing but the
