@@ -6,9 +6,10 @@ four), too few for oneDNN's GEMM to reach the memory bandwidth. This kernel keep
 each weight in AMX's own layout (1 KiB tiles of 16 outputs x 32 inputs, the inputs
 of an output block one tile after another), a copy made once at load (``pack``, next
 to oneDNN's), and multiplies 32 outputs at a time by up to 32 rows of x per pass
-(four accumulator tiles), prefetching the weight 8 KiB ahead in the first pass; later passes (rows 33-64) find it in cache. It beats
-oneDNN on SmolLM2-135M's weights up to 64 rows and not past it, so ``MAX_ROWS`` is 64
-(the README's "On a CPU"). Needs a CPU with AMX-BF16 and a Linux that grants tile
+(four accumulator tiles), prefetching the weight 8 KiB ahead in the first pass;
+later passes (rows 33-64) find it in cache. It beats oneDNN on SmolLM2-135M's
+weights up to 64 rows and not past it, so ``MAX_ROWS`` is 64 (the README's "On a
+CPU"). Needs a CPU with AMX-BF16 and a Linux that grants tile
 state (``arch_prctl``); else ``amx_available()`` is False and nothing changes.
 Shapes: outputs a multiple of 32, inputs of 32. The C is ``csrc/amx_linear.c``.
 """
