@@ -1,4 +1,11 @@
-"""compile_runtime: a compiler-centric runtime for PyTorch LLM inference."""
+"""compile_runtime: a compiler-centric runtime for PyTorch LLM inference.
+
+Top-level modules: ``cli`` (the ``compile-runtime`` command) and ``argtypes`` (argument
+types its sub-commands share); ``table`` (plain-text tables for the CLI and benchmarks);
+``device`` (the default device: CUDA if present, else the CPU); ``forward_context``
+(per-step state layers read during a forward); ``counters`` (what the compiler and graph
+wrappers did, for tests); ``version`` (the package version).
+"""
 
 from __future__ import annotations
 

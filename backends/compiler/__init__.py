@@ -1,4 +1,5 @@
-"""Compiler adaptors: turn an FX piece into a callable (Inductor or eager)."""
+"""Compiler adaptors: turn an FX piece into a callable (``base``: the interface;
+``inductor``: Inductor's standalone compile; ``eager``: the FX module as is)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""The persistent compile cache: a second start loads compiled pieces instead of compiling."""
+"""The persistent compile cache: a second start loads compiled pieces instead of compiling.
+
+``key`` (the hash of named, readable factors), ``location`` (where the cache lives),
+``entry`` (one model's compiled pieces on one rank under one key), ``files`` (crash-safe
+writes and checksums), ``kernels`` (Inductor's compiled C++ kernels shipped with an entry);
+``manage`` (inspect and manage the cache), ``archive`` (export/import an entry between
+machines) and ``cli`` (``compile-runtime cache ...``).
+"""
 
 from compile_runtime.cache.entry import CacheEntry, open_entry
 from compile_runtime.cache.key import compute_key, key_factors

@@ -1,4 +1,6 @@
-"""Tensor parallelism: process group state, collectives, parallel layers."""
+"""Tensor parallelism: process group state (``parallel_state``), collectives
+(``communication``), parallel layers (``linear``; ``vocab``: embedding and LM head) and how
+a model's dimensions divide over ranks (``sharding``)."""
 
 from compile_runtime.distributed.communication import (
     broadcast_from_first_rank,

@@ -2,7 +2,9 @@
 
 ``base.py`` is the interface; this file is the factory: ``make_executor`` checks the
 configuration once, before any worker starts, chooses the CPU thread count every rank
-uses (worker/cpu_threads.py), then starts the executor the backend names.
+uses (worker/cpu_threads.py), then starts the executor the backend names:
+``uniproc`` (the runner in this process), ``multiproc`` (one worker process per rank on this
+machine) or ``ray_executor`` (workers as Ray actors).
 """
 
 from __future__ import annotations

@@ -5,6 +5,10 @@ uniform decode steps and mixed steps with the same sizes), so plans are made
 over the union of the recorded decode and mixed histograms. Steps above the
 largest size (``--max-size``, default 512) are not planned for: they run
 without a graph and are reported as uncovered.
+
+``workload`` (the recorded step-size histogram), ``sizes`` (the exact dynamic program that
+picks the sizes), ``capture_sizes`` (a config's capture sizes resolved at start-up,
+``"auto:FILE"`` included) and ``cli`` (``compile-runtime plan-sizes``).
 """
 
 from __future__ import annotations
