@@ -20,7 +20,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	touch $(STAMP)
 
 $(MODEL): | $(STAMP)
-	$(BIN)/python -m compile_runtime.testing.smollm2
+	$(BIN)/python -m compile_runtime.models.smollm2
 
 model: $(MODEL)
 

@@ -21,6 +21,7 @@ import os
 import sys
 import time
 
+import repo_root  # noqa: F401  (testing/ on the path)
 from fresh_process import run_child
 
 TOKEN_COUNTS = [16, 1, 2, 3, 4, 5, 7, 8, 9, 12, 15, 17, 24, 31, 32, 33, 48, 64, 100, 128]
@@ -35,7 +36,7 @@ def run_variant(variant: str, num_layers: int) -> dict:
     from torch._dynamo.utils import counters
 
     import compile_runtime as cr
-    from compile_runtime.testing.transformer import build_transformer
+    from testing.transformer import build_transformer
 
     counter = cr.compilation_counter
     traces = {"n": 0}

@@ -28,12 +28,13 @@ import statistics
 import tempfile
 import time
 
+import repo_root  # noqa: F401  (testing/ on the path)
 import torch
 from llama_33m import MODEL, prompts
 from torch._dynamo.utils import counters
 
 import compile_runtime as cr
-from compile_runtime.testing.model_dirs import make_model_dir
+from testing.model_dirs import make_model_dir
 
 CONFIGS = {
     "eager": {"mode": "NONE"},
@@ -83,11 +84,11 @@ def bench(model_dir: str, name: str, max_tokens: int, cache_dir: str) -> tuple[d
     )
     params = cr.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     vocab = MODEL["vocab_size"]
-    phases.run("warm-up", llm.generate, prompts(2, 8, vocab), params, progress=False)
+    phases.run("warm-up", llm.generate, prompts(2, 8, vocab), params, use_tqdm=False)
     row = {"config": name, "startup_s": phases.rows["start-up"]["seconds"]}
     for batch in BATCHES:
         phases.run(
-            f"batch {batch}", llm.generate, prompts(batch, 16, vocab), params, progress=False
+            f"batch {batch}", llm.generate, prompts(batch, 16, vocab), params, use_tqdm=False
         )
         stats = llm.last_stats
         row[f"decode_ms_b{batch}"] = round(1000 * statistics.median(stats.decode_step_seconds), 2)

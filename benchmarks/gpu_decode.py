@@ -58,13 +58,14 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+import repo_root  # noqa: F401  (testing/ on the path)
 import torch
 import transformers
 from llama_33m import MODEL
 from vs_transformers import PROMPT_LEN, HFSide, Request, Row, equal_workload
 
 import compile_runtime as cr
-from compile_runtime.testing.model_dirs import make_model_dir
+from testing.model_dirs import make_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 OURS = {
@@ -265,14 +266,14 @@ def run_ours(name: str, args: argparse.Namespace, model_dir: str, cache_dir: str
         ):
             prompts = [r.prompt for r in row.requests]
             warm = cr.SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
-            llm.generate(prompts, warm, progress=False)
+            llm.generate(prompts, warm, use_tqdm=False)
             params = cr.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-            outputs = llm.generate(prompts, params, progress=False)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
             steps = llm.last_stats.decode_step_seconds
             if not steps:
                 raise RuntimeError(f"batch {batch}: no step decoded every request at once")
             ms = 1000 * statistics.median(steps)
-            report.record(name, batch, ms, [o.token_ids for o in outputs])
+            report.record(name, batch, ms, [o.outputs[0].token_ids for o in outputs])
     finally:
         llm.shutdown()
         del llm

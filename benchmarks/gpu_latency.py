@@ -1,7 +1,7 @@
 """Per-step GPU latency: eager vs our PIECEWISE and FULL CUDA graphs vs stock reduce-overhead.
 
-Two models: the toy model of the tests (compile_runtime.testing.toy) and a small
-Llama-shaped stack (compile_runtime.testing.transformer: RMSNorm, rotary, GQA, SwiGLU;
+Two models: the toy model of the tests (testing/toy.py) and a small Llama-shaped
+stack (testing/transformer.py: RMSNorm, rotary, GQA, SwiGLU;
 its attention is causal over the step's tokens, no KV cache). One step is
 what the runner does per batch: dispatch, copy into persistent buffers, run
 the forward. At small batches a step is bound by kernel launches, which is
@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+import repo_root  # noqa: F401  (testing/ on the path)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODES = ["eager", "piecewise", "full", "reduce-overhead"]
@@ -112,10 +114,10 @@ class Bench:
 
 def build_model(name: str, config: Any, shape: dict[str, int]) -> Any:
     if name == "toy":
-        from compile_runtime.testing.toy import build
+        from testing.toy import build
 
         return build(config, **shape)
-    from compile_runtime.testing.transformer import build_transformer
+    from testing.transformer import build_transformer
 
     return build_transformer(config, **shape)
 

@@ -60,6 +60,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from compile_runtime.core.request import Request  # noqa: E402
+from compile_runtime.core.sampling_params import SamplingParams  # noqa: E402
+from compile_runtime.core.scheduler import Scheduler  # noqa: E402
+from compile_runtime.core.scheduler_output import ModelRunnerOutput  # noqa: E402
 from compile_runtime.planner.sizes import (  # noqa: E402
     DEFAULT_MAX_CAPTURE_SIZE,
     default_capture_sizes,
@@ -69,10 +73,6 @@ from compile_runtime.planner.sizes import (  # noqa: E402
     plan_sizes,
 )
 from compile_runtime.planner.workload import Workload  # noqa: E402
-from compile_runtime.core.request import Request  # noqa: E402
-from compile_runtime.core.sampling_params import SamplingParams  # noqa: E402
-from compile_runtime.core.scheduler import Scheduler  # noqa: E402
-from compile_runtime.core.scheduler_output import ModelRunnerOutput  # noqa: E402
 
 MAX_NUM_SEQS = 64
 BUDGET = 512
@@ -277,7 +277,7 @@ class LatencyBench:
         import compile_runtime as cr
         from compile_runtime.models.llama import CausalLM
         from compile_runtime.models.registry import default_dtype_and_device
-        from compile_runtime.testing.model_dirs import tiny_config
+        from testing.model_dirs import tiny_config
 
         self.args = args
         self.device = torch.device(args.device)

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+import repo_root  # noqa: F401  (testing/ on the path)
+
 ROOT = Path(__file__).resolve().parent.parent
 SHAPE = dict(
     hidden_size=512,
@@ -124,7 +126,7 @@ def build_variant(variant: str, args: argparse.Namespace):
     from compile_runtime.compiler.decorator import compiled_model
     from compile_runtime.models.llama import CausalLM
     from compile_runtime.models.registry import default_dtype_and_device
-    from compile_runtime.testing.model_dirs import tiny_config
+    from testing.model_dirs import tiny_config
 
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if args.device == "cuda" else "float32"))

@@ -47,6 +47,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
+import repo_root  # noqa: F401  (testing/ on the path)
 import torch
 import transformers
 from llama_33m import MODEL
@@ -54,7 +55,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from vs_transformers import Floor, print_table
 
 import compile_runtime as cr
-from compile_runtime.testing.model_dirs import make_model_dir
+from testing.model_dirs import make_model_dir
 
 HF_BATCH = 8
 ENGINE = dict(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=1024)
@@ -122,12 +123,12 @@ class Ours:
             for r in requests
         ]
         start = time.perf_counter()
-        outputs = self.llm.generate([r.prompt for r in requests], params, progress=False)
+        outputs = self.llm.generate([r.prompt for r in requests], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         stats = self.llm.last_stats
-        decodes = sum(len(o.token_ids) - 1 for o in outputs)
+        decodes = sum(len(o.outputs[0].token_ids) - 1 for o in outputs)
         return Run(
-            [o.token_ids for o in outputs],
+            [o.outputs[0].token_ids for o in outputs],
             seconds,
             prefill_tokens=stats.scheduled_tokens - decodes,
             ttft=[o.first_token_seconds for o in outputs],

@@ -32,6 +32,7 @@ import tempfile
 import time
 import urllib.request
 
+import repo_root  # noqa: F401  (testing/ on the path)
 from llama_33m import MODEL
 from vs_transformers import mixed_workload
 
@@ -46,12 +47,12 @@ def offline(model_dir: str, requests) -> dict:
     params = [
         cr.SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
     ]
-    llm.generate([r.prompt for r in requests[:4]], params[:4], progress=False)  # warm-up
+    llm.generate([r.prompt for r in requests[:4]], params[:4], use_tqdm=False)  # warm-up
     start = time.perf_counter()
-    outputs = llm.generate([r.prompt for r in requests], params, progress=False)
+    outputs = llm.generate([r.prompt for r in requests], params, use_tqdm=False)
     seconds = time.perf_counter() - start
     llm.shutdown()
-    tokens = sum(len(o.token_ids) for o in outputs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"tokens": tokens, "seconds": seconds, "tok_s": tokens / seconds}
 
 
@@ -184,7 +185,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from compile_runtime.table import format_table
-    from compile_runtime.testing.model_dirs import make_model_dir
+    from testing.model_dirs import make_model_dir
 
     (workload_row,) = mixed_workload(args.requests).rows
     requests = workload_row.requests

@@ -205,14 +205,14 @@ rng = random.Random(0)
 def requests():
     return [[rng.randint(1000, 40000) for _ in range(prompt_len)] for _ in range(n)]
 params = [cr.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)] * n
-llm.generate(requests(), params, progress=False)
+llm.generate(requests(), params, use_tqdm=False)
 best = None
 for _ in range(3):
     prompts = requests()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, progress=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    tokens = sum(len(o.token_ids) for o in outputs)
+    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     best = max(best or 0.0, tokens / seconds)
 print(json.dumps({"output_throughput": best}))
 """

@@ -98,12 +98,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import repo_root  # noqa: F401  (testing/ on the path)
 import torch
 from llama_33m import MODEL
 from vs_transformers import Floor, print_table
 
 import compile_runtime as cr
-from compile_runtime.testing.model_dirs import make_model_dir
+from testing.model_dirs import make_model_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE = dict(
@@ -382,11 +383,11 @@ class Side:
         for group in groups:
             start = time.perf_counter()
             outputs = self.llm.generate(
-                [r.prompt for r in group], [r.params for r in group], progress=False
+                [r.prompt for r in group], [r.params for r in group], use_tqdm=False
             )
             run.seconds += time.perf_counter() - start
             stats = self.llm.last_stats
-            run.tokens += [list(o.token_ids) for o in outputs]
+            run.tokens += [list(o.outputs[0].token_ids) for o in outputs]
             run.steps += stats.steps
             run.decode_step_seconds += stats.decode_step_seconds
             sd = stats.spec_decode

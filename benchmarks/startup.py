@@ -34,6 +34,8 @@ import sys
 import tempfile
 import time
 
+import repo_root  # noqa: F401  (testing/ on the path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 CONFIGS = {
     "ours": {"backend": "inductor"},
@@ -62,7 +64,7 @@ def child(args: argparse.Namespace) -> None:
         max_model_len=128,
     )
     t2 = time.time()
-    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=1), progress=False)
+    out = llm.generate([[1, 2, 3, 4]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
     t3 = time.time()
     if args.save_artifacts:
         saved = torch.compiler.save_cache_artifacts()
@@ -82,7 +84,7 @@ def child(args: argparse.Namespace) -> None:
                 "inductor_compiles": c.num_inductor_compiles,
                 "programs_loaded": c.num_programs_loaded,
                 "startup_line": llm.startup.summary(),
-                "token": out[0].token_ids,
+                "token": out[0].outputs[0].token_ids,
             }
         )
     )
@@ -104,7 +106,7 @@ def measure(layers: int, root: str) -> list[dict]:
     sys.path.insert(0, HERE)
     from llama_33m import MODEL
 
-    from compile_runtime.testing.model_dirs import make_model_dir
+    from testing.model_dirs import make_model_dir
 
     model = make_model_dir(
         os.path.join(root, f"model-{layers}"),

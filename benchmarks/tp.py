@@ -26,6 +26,7 @@ import statistics
 import tempfile
 import time
 
+import repo_root  # noqa: F401  (testing/ on the path)
 from llama_33m import MODEL, prompts
 
 CONFIGS = {
@@ -92,15 +93,15 @@ def measure(llm, args: argparse.Namespace) -> dict:
     params = cr.SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     vocab = MODEL["vocab_size"]
     row: dict = {}
-    first = llm.generate(prompts(2, 8, vocab), params, progress=False)  # warm-up
-    llm.generate(prompts(1, 16, vocab), params, progress=False)
+    first = llm.generate(prompts(2, 8, vocab), params, use_tqdm=False)  # warm-up
+    llm.generate(prompts(1, 16, vocab), params, use_tqdm=False)
     row["decode_ms_b1"] = round(1000 * statistics.median(llm.last_stats.decode_step_seconds), 2)
-    outputs = llm.generate(prompts(args.batch, 16, vocab), params, progress=False)
+    outputs = llm.generate(prompts(args.batch, 16, vocab), params, use_tqdm=False)
     stats = llm.last_stats
     row[f"decode_ms_b{args.batch}"] = round(1000 * statistics.median(stats.decode_step_seconds), 2)
     row["tokens_per_s"] = round(stats.tokens_per_second, 1)
     row["empty_step_ms"] = round(empty_step_ms(llm), 3)
-    row["tokens"] = [o.token_ids for o in first + outputs]
+    row["tokens"] = [o.outputs[0].token_ids for o in first + outputs]
     return row
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from compile_runtime.table import format_table
-    from compile_runtime.testing.model_dirs import make_model_dir
+    from testing.model_dirs import make_model_dir
 
     model_dir = make_model_dir(args.model_dir, arch="llama", with_tokenizer=False, **MODEL)
     settings = [(1, "uni")] if 1 in args.tp else []

@@ -55,6 +55,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import repo_root  # noqa: F401  (testing/ on the path)
 import torch
 import torch.nn.functional as F
 import transformers
@@ -62,7 +63,7 @@ from llama_33m import MODEL
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.testing.model_dirs import make_model_dir
+from testing.model_dirs import make_model_dir
 
 OURS = {
     "ours_none": {"mode": "NONE"},
@@ -227,11 +228,11 @@ class OursSide:
             for r in row.requests
         ]
         start = time.perf_counter()
-        outputs = self.llm.generate(prompts, params, progress=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
         seconds = time.perf_counter() - start
         steps = self.llm.last_stats.decode_step_seconds
         decode_ms = 1000 * statistics.median(steps) if steps else None
-        return Run([o.token_ids for o in outputs], seconds, decode_ms)
+        return Run([o.outputs[0].token_ids for o in outputs], seconds, decode_ms)
 
     def close(self) -> None:
         self.llm.shutdown()

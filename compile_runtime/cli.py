@@ -162,8 +162,9 @@ def _generate(args: argparse.Namespace) -> int:
     with llm:  # stops the workers of a multi-process run, whatever happens
         outputs = llm.generate(args.prompt, params)
         for prompt, out in zip(args.prompt, outputs, strict=True):
-            text = out.text if out.text is not None else out.token_ids
-            print(f"{prompt!r} -> {text!r} ({len(out.token_ids)} tokens, {out.finish_reason})")
+            c = out.outputs[0]
+            text = c.text if c.text is not None else c.token_ids
+            print(f"{prompt!r} -> {text!r} ({len(c.token_ids)} tokens, {c.finish_reason})")
         stats = llm.last_stats
         print(
             f"# {stats.output_tokens} tokens in {stats.seconds:.2f} s "

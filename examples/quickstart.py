@@ -25,8 +25,8 @@ import time
 
 import compile_runtime as cr
 from compile_runtime.models.dtype import DTYPE_CHOICES
+from compile_runtime.models.smollm2 import smollm2_gguf
 from compile_runtime.table import format_table
-from compile_runtime.testing.smollm2 import smollm2_gguf
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -50,7 +50,7 @@ def run(
         for q in QUESTIONS
     ]
     params = cr.SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outputs = llm.generate(prompts, params, progress=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     stats = llm.last_stats
     counter = cr.compilation_counter
     loaded = counter.num_compiled_artifacts_loaded - before.num_compiled_artifacts_loaded
@@ -101,9 +101,10 @@ def main() -> None:
     eager, compiled, fast, default = results.values()
     print()
     for question, out in zip(QUESTIONS, default, strict=True):
+        answer = out.outputs[0]
         print(
-            f"Q: {question}\nA: {out.text.strip()}  [{len(out.token_ids)} tokens, "
-            f"{out.finish_reason}]\n"
+            f"Q: {question}\nA: {answer.text.strip()}  [{len(answer.token_ids)} tokens, "
+            f"{answer.finish_reason}]\n"
         )
     columns = list(next(iter(rows.values())))
     print(format_table(["configuration", *columns], [[n, *r.values()] for n, r in rows.items()]))
@@ -115,7 +116,7 @@ def main() -> None:
 
 
 def same(a: list, b: list) -> str:
-    equal = sum(x.token_ids == y.token_ids for x, y in zip(a, b, strict=True))
+    equal = sum(x.outputs[0].token_ids == y.outputs[0].token_ids for x, y in zip(a, b, strict=True))
     return f"{equal}/{len(a)}"
 
 

@@ -9,7 +9,7 @@ import logging
 import torch
 
 import compile_runtime as cr
-from compile_runtime.testing.toy import build
+from testing.toy import build
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--cache-dir", required=True)

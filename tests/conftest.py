@@ -1,12 +1,21 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
 
 from compile_runtime.device import DEVICE_ENV
-from compile_runtime.testing.model_dirs import make_model_dir
+
+# testing/ (scaffolding the tests share with the benchmarks, at the repository root and not
+# installed) is importable here and in the processes tests start. The root goes last on the
+# path, so it never shadows the compile_runtime that is installed (or linked, as in
+# scripts/gpu_check.sh) with the checkout's folder of that name.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.append(ROOT)
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), ROOT) if p)
 
 # The default CPU thread count follows how busy the machine is; pin it (for this process
 # and the processes tests start) so that outputs two starts in one test compare are
@@ -51,6 +60,8 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory):
     """Tiny model directories (config, random weights, tokenizer), built once per session."""
+    from testing.model_dirs import make_model_dir
+
     root = tmp_path_factory.mktemp("models")
     cache: dict[str, str] = {}
 

@@ -39,7 +39,7 @@ from compile_runtime.attention.kv_cache import (
 from compile_runtime.attention.layer import Attention, attention_layers
 from compile_runtime.attention.metadata import MetadataError
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.testing.attention import PagedBatch, make_paged_batch
+from testing.attention import PagedBatch, make_paged_batch
 
 AttentionCGSupport = cr.AttentionCGSupport
 

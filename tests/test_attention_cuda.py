@@ -12,7 +12,7 @@ import compile_runtime as cr
 from compile_runtime.attention.kv_cache import bind_kv_cache, compute_slot_mapping
 from compile_runtime.attention.layer import Attention
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.testing.attention import make_paged_batch
+from testing.attention import make_paged_batch
 
 pytestmark = pytest.mark.cuda
 

@@ -22,7 +22,7 @@ from test_attention import batch_shapes, dense_reference, run_backend, spec_of
 from triton_interpreter import run_interpreted
 
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.testing.attention import make_paged_batch
+from testing.attention import make_paged_batch
 
 needs_interpreter = pytest.mark.skipif(
     not interpreter_enabled(), reason="runs in the TRITON_INTERPRET=1 subprocess"

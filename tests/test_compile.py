@@ -9,7 +9,7 @@ from torch import nn
 import compile_runtime as cr
 from compile_runtime.compiler.decorator import compiled_model
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
-from compile_runtime.testing.toy import ToyModel, build
+from testing.toy import ToyModel, build
 
 counter = cr.compilation_counter
 EAGER = cr.CompilationConfig(backend="eager")

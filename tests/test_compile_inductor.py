@@ -7,8 +7,8 @@ import torch
 
 import compile_runtime as cr
 from compile_runtime.compiler.decorator import compiled_model
-from compile_runtime.testing.toy import build
-from compile_runtime.testing.transformer import build_transformer
+from testing.toy import build
+from testing.transformer import build_transformer
 
 counter = cr.compilation_counter
 # No compile cache: a hit left by an earlier test would stand in for the compiles counted here.

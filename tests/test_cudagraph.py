@@ -22,7 +22,7 @@ from compile_runtime.cudagraph.wrapper import (
     weak_ref_tensor,
     wrap_full_model,
 )
-from compile_runtime.testing.toy import build
+from testing.toy import build
 
 M = cr.CUDAGraphMode
 BD = cr.BatchDescriptor

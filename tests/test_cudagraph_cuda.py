@@ -13,7 +13,7 @@ from compile_runtime.cudagraph.wrapper import (
     CUDAGraphWrapper,
     wrap_full_model,
 )
-from compile_runtime.testing.toy import build
+from testing.toy import build
 
 pytestmark = pytest.mark.cuda
 

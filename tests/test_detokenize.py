@@ -9,8 +9,8 @@ import pytest
 
 from compile_runtime.engine.async_engine import TokenEvent
 from compile_runtime.models.gguf import gguf_model_dir
+from compile_runtime.models.smollm2 import smollm2_gguf
 from compile_runtime.server.choice import Choice
-from compile_runtime.testing.smollm2 import smollm2_gguf
 
 # Pieces as bytes: an emoji split over three tokens, a two-byte character over two, words
 # with and without a leading space.

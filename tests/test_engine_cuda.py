@@ -12,10 +12,10 @@ from copier import copy_prompt, make_copier_dir, orbit
 from transformers import AutoModelForCausalLM
 
 from compile_runtime.config import CUDAGraphMode
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.counters import compilation_counter
 from compile_runtime.engine.llm import LLM
 from compile_runtime.worker.kv_sizing import most_blocks_needed
-from compile_runtime.core.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.cuda
 
@@ -58,7 +58,7 @@ def run(model_dir, cudagraph_mode, **options):
     with LLM(model_dir, config, **{**RUNNER, **options}) as llm:
         captured = compilation_counter.num_cudagraph_captured - before
         assert (captured > 0) == (cudagraph_mode != "NONE")
-        return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 @pytest.mark.parametrize("cudagraph_mode", MODES)
@@ -91,7 +91,7 @@ def test_speculative_decode_batches_replay_graphs_and_keep_transformers_tokens(
             assert keys[CUDAGraphMode.FULL] and all(
                 d.num_tokens % (1 + k) == 0 and d.uniform for d in keys[CUDAGraphMode.FULL]
             )
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         assert llm.last_stats.spec_decode.num_draft_tokens > 0
     assert tokens == expected
 
@@ -101,7 +101,7 @@ def test_speculative_decode_batches_replay_graphs_and_keep_transformers_tokens(
     with LLM(copier_dir, config, speculative_config=spec, **RUNNER) as llm:
         forward = llm.runner.cudagraph_plan.forward_model
         replays = getattr(forward, "num_replays", 0)
-        out = llm.generate([prompt], params, progress=False)[0].token_ids
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         uniform_steps = llm.workload.decode[1 + k]
         if cudagraph_mode == "FULL_AND_PIECEWISE":
             assert forward.num_replays - replays == uniform_steps
@@ -136,5 +136,5 @@ def test_second_engine_in_a_process_gets_its_kv_cache(reference):
     assert held - torch.cuda.memory_allocated() >= kv_bytes  # given back at once
     with LLM(model_dir, {"backend": "eager", **GRAPHS}, **RUNNER) as second:
         assert second.runner.num_blocks == blocks
-        tokens = [o.token_ids for o in second.generate(PROMPTS, GREEDY, progress=False)]
+        tokens = [o.outputs[0].token_ids for o in second.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert tokens == expected

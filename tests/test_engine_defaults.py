@@ -106,8 +106,8 @@ def test_a_model_with_few_positions_runs_without_options(model_dirs):
     llm = cr.LLM(model_dir, EAGER)
     assert llm.runner_config.max_model_len == 96
     assert llm.dtype == torch.float32  # a float32 checkpoint stays float32
-    (out,) = llm.generate([5, 6, 7], cr.SamplingParams(temperature=0, max_tokens=4), progress=False)
-    assert len(out.token_ids) == 4
+    (out,) = llm.generate([5, 6, 7], cr.SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
 
 
 def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path):
@@ -123,12 +123,12 @@ def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path
     assert llm.eos_token_ids == (2, 7, 9)
     for eos in (7, 9):
         forced = cr.SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0})
-        (out,) = llm.generate([5, 6], forced, progress=False)
-        assert out.token_ids == [eos] and out.finish_reason == "stop"
+        (out,) = llm.generate([5, 6], forced, use_tqdm=False)
+        assert out.outputs[0].token_ids == [eos] and out.outputs[0].finish_reason == "stop"
         # min_tokens holds every EOS id back, not only the first.
         held = cr.SamplingParams(temperature=0, max_tokens=3, min_tokens=3, logit_bias={eos: 100.0})
-        (out,) = llm.generate([5, 6], held, progress=False)
-        assert len(out.token_ids) == 3 and not {7, 9, 2} & set(out.token_ids)
+        (out,) = llm.generate([5, 6], held, use_tqdm=False)
+        assert len(out.outputs[0].token_ids) == 3 and not {7, 9, 2} & set(out.outputs[0].token_ids)
 
 
 def test_start_up_reads_the_model_config_once(model_dirs, monkeypatch):

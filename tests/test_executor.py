@@ -7,6 +7,7 @@ cores. TP=2 must give the greedy tokens of TP=1 exactly.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing
 import os
@@ -14,12 +15,13 @@ import signal
 import threading
 import time
 
+import faulty_worker
 import pytest
 
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.distributed import TensorParallelConfigError
 from compile_runtime.engine.llm import LLM
-from compile_runtime.executor import WorkerDiedError, executor_class
-from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.executor import WorkerDiedError, executor_class, multiproc
 
 # Ray must use the loopback address only; read when ray is first imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -35,7 +37,9 @@ def tp1_tokens(model_dir: str) -> list[list[int]]:
     """Greedy tokens on one rank (eager; tests/test_generate.py ties them to transformers)."""
     if model_dir not in _tp1:
         llm = LLM(model_dir, {"mode": "NONE"}, **RUNNER)
-        _tp1[model_dir] = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        _tp1[model_dir] = [
+            o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        ]
     return _tp1[model_dir]
 
 
@@ -60,7 +64,7 @@ def test_tp2_inductor_matches_tp1_with_one_trace_per_rank(model_dirs, session_ca
 
     llm.core.step = spy
     try:
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         infos = llm.executor.workers_info
         pids = llm.executor.pids
     finally:
@@ -121,14 +125,14 @@ def test_tp2_piecewise_matches_tp1(model_dirs, arch, runner):
         distributed_executor_backend="mp",
         **runner,
     ) as llm:
-        tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
         with pytest.raises(AttributeError, match="worker processes"):
             llm.runner  # noqa: B018
         assert llm.workload.num_steps == llm.last_stats.steps
         if runner is CHUNKED:
             assert llm.scheduler.num_preemptions > 0
             # Again: the prompts' blocks are in the prefix cache; every rank reads the same ones.
-            again = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+            again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert again == tokens and llm.last_stats.prefix_cache.hits > 0
         if runner is SPECULATIVE:
             assert llm.last_stats.spec_decode.num_draft_tokens > 0
@@ -151,7 +155,7 @@ def test_ray_tp2_matches_tp1(model_dirs):
             distributed_executor_backend="ray",
             **RUNNER,
         ) as llm:
-            tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert sorted(i.rank for i in llm.executor.workers_info) == [0, 1]
     finally:
         ray.shutdown()
@@ -186,7 +190,7 @@ def test_killed_worker_raises_naming_the_rank_and_leaves_no_process(model_dirs):
     killer.start()
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match=r"rank 1 died: .*killed by signal SIGKILL") as e:
-        llm.generate([[1, 2, 3]] * 4, LONG, progress=False)
+        llm.generate([[1, 2, 3]] * 4, LONG, use_tqdm=False)
     assert time.monotonic() - start < 60
     assert e.value.rank == 1
     assert 3 <= llm.executor.num_steps < 400  # it died mid-generation
@@ -195,17 +199,21 @@ def test_killed_worker_raises_naming_the_rank_and_leaves_no_process(model_dirs):
 
 
 @pytest.mark.slow
-def test_exception_in_forward_raises_its_cause_and_stops_every_worker(model_dirs):
+def test_exception_in_forward_raises_its_cause_and_stops_every_worker(model_dirs, monkeypatch):
+    # Rank 1's runner raises in its 5th step's execute_model (tests/faulty_worker.py).
+    fault = faulty_worker.Fault(rank=1, at_step=5, message="boom in forward")
+    faulty = functools.partial(faulty_worker.worker_main, fault=fault)
+    monkeypatch.setattr(multiproc, "worker_main", faulty)
     llm = _start_tp2(model_dirs("llama"))
     pids = llm.executor.pids
-    llm.executor.collective_rpc("inject_fault", (5, "boom in forward"), ranks=[1])
     start = time.monotonic()
     with pytest.raises(WorkerDiedError, match="rank 1 died: InjectedFault: boom in forward"):
-        llm.generate([[1, 2, 3]] * 4, LONG, progress=False)
+        llm.generate([[1, 2, 3]] * 4, LONG, use_tqdm=False)
     assert time.monotonic() - start < 60
+    assert llm.executor.num_steps == 4  # the steps before the faulty one went through
     assert_gone(pids)
     with pytest.raises(RuntimeError, match="shut down"):
-        llm.generate([[1, 2, 3]], GREEDY, progress=False)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
 
 def test_heads_not_divisible_by_ranks_is_rejected_before_any_worker_starts(model_dirs):

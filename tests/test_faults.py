@@ -42,9 +42,9 @@ from compile_runtime.config import (
     RunnerConfig,
     resolve_cudagraph_mode,
 )
-from compile_runtime.engine.llm import LLM, StepFailedError
 from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.testing.toy import SumAttention
+from compile_runtime.engine.llm import LLM, StepFailedError
+from testing.toy import SumAttention
 
 counter = cr.compilation_counter
 NUM_PIECES = 3  # FaultModel: first, middle (shared by the layer boundary), last
@@ -507,7 +507,7 @@ def test_a_real_process_prints_one_line_and_no_traceback(tmp_path):
 PROMPTS = [[5, 6, 7], list(range(10, 30)), [100]]
 MAX_TOKENS = 6
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-VOCAB = 512  # compile_runtime.testing.model_dirs' vocab_size
+VOCAB = 512  # testing.model_dirs' vocab_size
 EAGER = {"backend": "eager", "cudagraph_mode": "NONE"}
 
 
@@ -556,9 +556,9 @@ def assert_idle(llm: LLM) -> None:
 
 
 def assert_good_call(llm: LLM, expected, steps: int | None = None) -> None:
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == expected
-    assert all(o.finish_reason == "length" for o in outputs)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
     assert llm.last_stats.output_tokens == len(PROMPTS) * MAX_TOKENS
     if steps is not None:
         assert llm.last_stats.steps == steps
@@ -601,7 +601,7 @@ def test_bad_request_queues_nothing_and_engine_stays_correct(
     llm, expected, good_call_steps, prompts, params, match
 ):
     with pytest.raises(ValueError, match=match):
-        llm.generate(prompts, params, progress=False)
+        llm.generate(prompts, params, use_tqdm=False)
     assert_idle(llm)
     assert_good_call(llm, expected, good_call_steps)
 
@@ -640,7 +640,7 @@ def test_failed_step_aborts_the_call_frees_blocks_and_engine_goes_on(
     target = runner.model if where == "compute_logits" else runner
     calls = fail_once(monkeypatch, target, where, at_call)
     with pytest.raises(StepFailedError, match="RuntimeError: injected fault") as exc:
-        llm.generate(PROMPTS, GREEDY, progress=False)
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     err = exc.value
     assert err.failed_req_ids and set(err.failed_req_ids) <= set(err.aborted_req_ids)
     assert f"request(s) {', '.join(err.failed_req_ids)} (prompt(s) " in str(err)
@@ -659,7 +659,7 @@ def test_interrupt_mid_generation_leaves_nothing_queued(llm, expected, monkeypat
 
     monkeypatch.setattr(llm.runner, "execute_model", interrupt)
     with pytest.raises(KeyboardInterrupt):
-        llm.generate(PROMPTS, GREEDY, progress=False)
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     assert_idle(llm)
     assert_good_call(llm, expected)

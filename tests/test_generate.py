@@ -7,8 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import compile_runtime as cr
-from compile_runtime.engine.llm import LLM
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.engine.llm import LLM
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -45,16 +45,19 @@ CONFIGS = {
 def test_greedy_matches_transformers(model_dirs, arch, config):
     model_dir = model_dirs(arch)
     llm = LLM(model_dir, CONFIGS[config], max_num_seqs=4, max_num_batched_tokens=64)
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
-    assert all(o.finish_reason == "length" and len(o.token_ids) == 16 for o in outputs)
-    assert outputs[0].text is not None  # the directory has a tokenizer
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)
+    assert all(
+        o.outputs[0].finish_reason == "length" and len(o.outputs[0].token_ids) == 16
+        for o in outputs
+    )
+    assert outputs[0].outputs[0].text is not None  # the directory has a tokenizer
 
 
 def test_compiled_runner_traces_once(model_dirs):
     before = cr.compilation_counter.clone()
     llm = LLM(model_dirs("llama"), {"backend": "eager"}, max_num_seqs=4, max_num_batched_tokens=64)
-    llm.generate(PROMPTS, GREEDY, progress=False)
+    llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert cr.compilation_counter.num_graphs_seen - before.num_graphs_seen == 1
     # Every step size seen was recorded; decode steps of 4 requests are uniform.
     assert llm.workload.num_steps == llm.last_stats.steps
@@ -74,30 +77,33 @@ def test_chunked_prefill_and_preemption_keep_greedy_tokens(model_dirs):
         num_gpu_blocks_override=14,
         max_model_len=64,
     )
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)
     assert llm.scheduler.num_preemptions > 0
 
 
 def test_text_prompts_and_stop_conditions(model_dirs):
     llm = LLM(model_dirs("llama"), {"backend": "eager"}, max_num_seqs=4, max_num_batched_tokens=64)
     (first,) = llm.generate(
-        "hello world", SamplingParams(temperature=0, max_tokens=6), progress=False
+        "hello world", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
     )
     assert first.prompt_token_ids == llm.tokenizer("hello world")["input_ids"]
-    stop = first.token_ids[2]
+    stop = first.outputs[0].token_ids[2]
     (stopped,) = llm.generate(
         "hello world",
         SamplingParams(temperature=0, max_tokens=6, stop_token_ids=[stop]),
-        progress=False,
+        use_tqdm=False,
     )
-    assert stopped.token_ids == first.token_ids[: first.token_ids.index(stop) + 1]
-    assert stopped.finish_reason == "stop"
+    assert (
+        stopped.outputs[0].token_ids
+        == first.outputs[0].token_ids[: first.outputs[0].token_ids.index(stop) + 1]
+    )
+    assert stopped.outputs[0].finish_reason == "stop"
 
 
 def test_runner_rejects_double_execute(model_dirs):
-    from compile_runtime.worker.model_runner import ModelRunnerError
     from compile_runtime.core.scheduler_output import SchedulerOutput
+    from compile_runtime.worker.model_runner import ModelRunnerError
 
     llm = LLM(model_dirs("llama"), {"mode": "NONE"}, max_num_seqs=2, max_num_batched_tokens=32)
     llm.runner.execute_model(SchedulerOutput())  # an empty batch returns at once
@@ -118,8 +124,8 @@ def test_transformers_adapter_matches_transformers(model_dirs, arch):
         max_num_batched_tokens=64,
         use_transformers=True,
     )
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)
     layers = llm.runner.model.config.num_hidden_layers
     assert cr.compilation_counter.num_graphs_seen - before.num_graphs_seen == 1
     assert (

@@ -18,12 +18,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from transformers import AutoModelForCausalLM
 
 import compile_runtime.ops  # noqa: F401 - registers the fused ops the pass inserts
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.llm import LLM
 from compile_runtime.models.llama import MLP, CausalLM, activation
 from compile_runtime.models.loader import NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
-from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.testing.model_dirs import make_model_dir, tiny_config
+from testing.model_dirs import make_model_dir, tiny_config
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -85,7 +85,7 @@ def reference_tokens(model_dir: str) -> list[list[int]]:
 
 def generate(model_dir: str, config: dict) -> tuple[list[list[int]], LLM]:
     llm = LLM(model_dir, config, **RUNNER)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)], llm
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm
 
 
 @pytest.mark.parametrize("rope", list(ROPE))

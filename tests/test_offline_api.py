@@ -41,18 +41,13 @@ def test_outputs_are_shaped_as_vllms(llm):
     assert len(completion.token_ids) == 6 and completion.text is not None
     assert completion.cumulative_logprob == pytest.approx(sum(lp[0] for lp in completion.logprobs))
     assert out.prompt is None and out.prompt_token_ids == PROMPTS[0]
-    # The flat names of earlier releases still read the first output.
-    assert (out.token_ids, out.text, out.finish_reason) == (
-        completion.token_ids,
-        completion.text,
-        completion.finish_reason,
-    )
-    (old,) = llm.generate([PROMPTS[0]], greedy, progress=False)  # the old name of use_tqdm
-    assert old.token_ids == completion.token_ids
+    # A sample's fields live on its CompletionOutput only (no flat copies of the first's).
+    assert not any(hasattr(out, f) for f in ("text", "token_ids", "finish_reason", "logprobs"))
     (no_text,) = llm.generate(
         [PROMPTS[0]], greedy.model_copy(update={"detokenize": False}), use_tqdm=False
     )
-    assert no_text.outputs[0].text is None and no_text.token_ids == completion.token_ids
+    assert no_text.outputs[0].text is None
+    assert no_text.outputs[0].token_ids == completion.token_ids
     unasked = llm.generate([PROMPTS[0]], cr.SamplingParams(temperature=0, max_tokens=2))[0]
     assert unasked.outputs[0].cumulative_logprob is None and unasked.outputs[0].logprobs is None
 
@@ -60,16 +55,18 @@ def test_outputs_are_shaped_as_vllms(llm):
 def test_prompts_as_vllms_prompt_dicts(llm):
     """vLLM's TokensPrompt / TextPrompt dicts, alone, in a list, mixed with plain ids."""
     greedy = cr.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    plain = [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
+    plain = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)]
     dicts = llm.generate([{"prompt_token_ids": PROMPTS[0]}, PROMPTS[1]], greedy, use_tqdm=False)
-    assert [o.token_ids for o in dicts] == plain
+    assert [o.outputs[0].token_ids for o in dicts] == plain
     assert dicts[0].prompt_token_ids == PROMPTS[0] and dicts[0].prompt is None
     (one,) = llm.generate({"prompt_token_ids": PROMPTS[1]}, greedy, use_tqdm=False)
-    assert one.token_ids == plain[1]
+    assert one.outputs[0].token_ids == plain[1]
     if llm.tokenizer is not None:
         (text,) = llm.generate({"prompt": "hello world"}, greedy, use_tqdm=False)
         (same,) = llm.generate("hello world", greedy, use_tqdm=False)
-        assert text.prompt == "hello world" and text.token_ids == same.token_ids
+        assert (
+            text.prompt == "hello world" and text.outputs[0].token_ids == same.outputs[0].token_ids
+        )
     with pytest.raises(ValueError, match="multi_modal_data"):
         llm.generate({"prompt": "x", "multi_modal_data": {}}, greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="not text, token ids or a prompt dict"):
@@ -83,7 +80,8 @@ def test_n_samples_per_prompt_with_seeds_one_apart(llm):
     assert [c.index for c in outs[0].outputs] == [0, 1, 2]
     single = cr.SamplingParams(temperature=1.0, seed=8, max_tokens=8, ignore_eos=True)
     (second,) = llm.generate([PROMPTS[0]], single, use_tqdm=False)
-    assert outs[0].outputs[1].token_ids == second.token_ids  # sample 1 ran with seed 7 + 1
+    # sample 1 ran with seed 7 + 1
+    assert outs[0].outputs[1].token_ids == second.outputs[0].token_ids
     assert len({tuple(c.token_ids) for c in outs[0].outputs}) > 1
     greedy = llm.generate(PROMPTS[:1], cr.SamplingParams(n=2, temperature=0, max_tokens=5))
     assert greedy[0].outputs[0].token_ids == greedy[0].outputs[1].token_ids
@@ -92,27 +90,30 @@ def test_n_samples_per_prompt_with_seeds_one_apart(llm):
 def test_a_stop_string_ends_the_request_as_stop(llm):
     params = cr.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     (full,) = llm.generate([PROMPTS[1]], params, use_tqdm=False)
-    text = full.text
+    text = full.outputs[0].text
     stop = text[len(text) // 2 : len(text) // 2 + 3]
     assert stop.strip() and text.index(stop) > 0
     (cut,) = llm.generate([PROMPTS[1]], params.model_copy(update={"stop": [stop]}))
     c = cut.outputs[0]
     assert (c.finish_reason, c.stop_reason) == ("stop", stop)
     assert c.text == text[: text.index(stop)]
-    assert c.token_ids == full.token_ids[: len(c.token_ids)] and len(c.token_ids) < 24
+    assert c.token_ids == full.outputs[0].token_ids[: len(c.token_ids)] and len(c.token_ids) < 24
     assert llm.scheduler.requests == {}  # finished, blocks freed: nothing left running
     kept = params.model_copy(update={"stop": [stop], "include_stop_str_in_output": True})
     (with_stop,) = llm.generate([PROMPTS[1]], kept, use_tqdm=False)
-    assert with_stop.text == text[: text.index(stop) + len(stop)]
+    assert with_stop.outputs[0].text == text[: text.index(stop) + len(stop)]
 
 
 def test_a_stop_token_id_is_the_stop_reason(llm):
     params = cr.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     (full,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
-    token = full.token_ids[3]
+    token = full.outputs[0].token_ids[3]
     (cut,) = llm.generate([PROMPTS[0]], params.model_copy(update={"stop_token_ids": [token]}))
-    assert cut.outputs[0].stop_reason == token and cut.finish_reason == "stop"
-    assert cut.token_ids == full.token_ids[: full.token_ids.index(token) + 1]
+    assert cut.outputs[0].stop_reason == token and cut.outputs[0].finish_reason == "stop"
+    assert (
+        cut.outputs[0].token_ids
+        == full.outputs[0].token_ids[: full.outputs[0].token_ids.index(token) + 1]
+    )
 
 
 @pytest.mark.parametrize("stop_strings", [[], ["never in the text"]])  # followed or not
@@ -134,8 +135,8 @@ def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm, stop_strings):
             )
         finally:
             llm.eos_token_ids = old_eos
-        assert out.token_ids == [percent] and out.finish_reason == "stop"
-        assert out.text == "" and kept.text == "%"
+        assert out.outputs[0].token_ids == [percent] and out.outputs[0].finish_reason == "stop"
+        assert out.outputs[0].text == "" and kept.outputs[0].text == "%"
 
 
 def test_min_p_drops_tokens_below_its_share_of_the_top_one():

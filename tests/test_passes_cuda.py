@@ -53,13 +53,15 @@ def test_default_passes_fuse_on_cuda_and_keep_greedy_tokens(model_dirs):
     # near-ties fall either way between two correct roundings (seen on the first H200 run).
     engine = dict(device="cuda", dtype="float32", **RUNNER)
     reference = LLM(model_dir, {"pass_config": ALL_OFF, **common}, **engine)
-    ref_tokens = [o.token_ids for o in reference.generate(PROMPTS, GREEDY, progress=False)]
+    ref_tokens = [
+        o.outputs[0].token_ids for o in reference.generate(PROMPTS, GREEDY, use_tqdm=False)
+    ]
     llm = LLM(
         model_dir,
         {"inductor_compile_config": {"fx_graph_cache": False}, **common},
         **engine,
     )
-    tokens = [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)]
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
     assert tokens == ref_tokens
     first, middle, last = post_grad_counts(llm)
     assert middle["fused_add_rms_norm"] == 2 and middle["silu_and_mul"] == 1

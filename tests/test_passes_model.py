@@ -6,8 +6,8 @@ import pytest
 from compile_runtime.passes import Phase
 
 from compile_runtime.compiler.decorator import compiled_model
-from compile_runtime.engine.llm import LLM
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.engine.llm import LLM
 
 PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -25,7 +25,7 @@ RUNNER = dict(max_num_seqs=4, max_num_batched_tokens=64)
 
 def generate(model_dir: str, config: dict) -> tuple[list[list[int]], LLM]:
     llm = LLM(model_dir, config, **RUNNER)
-    return [o.token_ids for o in llm.generate(PROMPTS, GREEDY, progress=False)], llm
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)], llm
 
 
 def post_grad_counts(llm: LLM) -> list[dict[str, int]]:

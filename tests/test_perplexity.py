@@ -126,7 +126,7 @@ def test_llamacpp_side_nll_from_logits_equals_torch(tiny):
 
 @pytest.mark.slow  # ~20 s: the real GGUF file's tokenizer is read (once per session cache)
 def test_the_text_is_a_few_thousand_real_model_tokens():
-    from compile_runtime.testing.smollm2 import smollm2_gguf
+    from compile_runtime.models.smollm2 import smollm2_gguf
 
     path = ppl.TEXT
     assert os.path.isfile(path)

@@ -227,14 +227,14 @@ def test_plan_sizes_cli_bad_arguments_exit_2(argv, capsys):
 
 
 def test_recorded_generation_plans_the_sizes_of_the_next_start(model_dirs, tmp_path):
-    from compile_runtime.engine.llm import LLM
     from compile_runtime.core.sampling_params import SamplingParams
+    from compile_runtime.engine.llm import LLM
 
     model = model_dirs("llama")
     kw = dict(max_num_seqs=4, max_num_batched_tokens=64)
     llm = LLM(model, {"backend": "eager"}, **kw)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm.generate([[5, 6, 7], list(range(10, 40)), [100]], params, progress=False)
+    llm.generate([[5, 6, 7], list(range(10, 40)), [100]], params, use_tqdm=False)
     path = str(tmp_path / "recorded.json")
     llm.save_workload(path)
     histogram = load_workload(path).combined()

@@ -9,17 +9,17 @@ from collections import Counter
 import pytest
 
 pytest.importorskip("hypothesis")
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_scheduler import FakeRunner, check_invariants, run
-
-from compile_runtime.engine.llm import LLM, StepFailedError
 from compile_runtime.core.block_pool import BlockPool
 from compile_runtime.core.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from scheduler_invariants import check_scheduler_invariants
+from test_scheduler import FakeRunner, check_invariants, run
+
 from compile_runtime.core.request import Request
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from scheduler_invariants import check_scheduler_invariants
+from compile_runtime.engine.llm import LLM, StepFailedError
 
 EAGER = {"backend": "eager"}
 
@@ -258,8 +258,8 @@ def llama_pair(model_dirs):
 def test_greedy_tokens_identical_with_and_without_the_cache(llama_pair, prompts):
     on, off = llama_pair
     batch = [SYSTEM[:n] + tail for n, tail in prompts]
-    expected = [o.token_ids for o in off.generate(batch, GREEDY, progress=False)]
-    assert [o.token_ids for o in on.generate(batch, GREEDY, progress=False)] == expected
+    expected = [o.outputs[0].token_ids for o in off.generate(batch, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
     check_scheduler_invariants(on.scheduler)
     assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
 
@@ -268,8 +268,8 @@ def test_engine_reports_hits_and_preemption_restarts_stay_identical(llama_pair):
     on, off = llama_pair
     batch = [SYSTEM + [i] * 8 for i in range(3, 11)]  # 8 shared + 4 running x 4 own > 19
     preemptions = on.scheduler.num_preemptions
-    expected = [o.token_ids for o in off.generate(batch, GREEDY, progress=False)]
-    assert [o.token_ids for o in on.generate(batch, GREEDY, progress=False)] == expected
+    expected = [o.outputs[0].token_ids for o in off.generate(batch, GREEDY, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
     stats = on.last_stats.prefix_cache
     assert stats.queries >= 8 * 40 and stats.hits >= 7 * 32
     assert on.prefix_cache_stats.hits >= stats.hits
@@ -280,7 +280,7 @@ def test_engine_reports_hits_and_preemption_restarts_stay_identical(llama_pair):
 def test_a_failed_step_leaves_the_cache_consistent_and_correct(llama_pair, monkeypatch):
     on, off = llama_pair
     batch = [SYSTEM[:20] + [i, 9] for i in range(3, 9)]
-    expected = [o.token_ids for o in off.generate(batch, GREEDY, progress=False)]
+    expected = [o.outputs[0].token_ids for o in off.generate(batch, GREEDY, use_tqdm=False)]
     original, calls = on.runner.execute_model, []
 
     def fail_on_third(so):
@@ -291,11 +291,11 @@ def test_a_failed_step_leaves_the_cache_consistent_and_correct(llama_pair, monke
 
     monkeypatch.setattr(on.runner, "execute_model", fail_on_third)
     with pytest.raises(StepFailedError, match="injected fault"):
-        on.generate(batch, GREEDY, progress=False)
+        on.generate(batch, GREEDY, use_tqdm=False)
     monkeypatch.undo()
     check_scheduler_invariants(on.scheduler)
     assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
-    assert [o.token_ids for o in on.generate(batch, GREEDY, progress=False)] == expected
+    assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma2"])
@@ -309,8 +309,8 @@ def test_sliding_window_models_match_transformers_with_the_cache(model_dirs, arc
     llm = LLM(model_dir, EAGER, max_num_seqs=2, max_num_batched_tokens=16, block_size=4)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     batch = [SYSTEM[:16] + [i, 7, 9] for i in (3, 4, 5)]
-    llm.generate(batch[:1], GREEDY, progress=False)  # fill the cache
-    outputs = llm.generate(batch, GREEDY, progress=False)
+    llm.generate(batch[:1], GREEDY, use_tqdm=False)  # fill the cache
+    outputs = llm.generate(batch, GREEDY, use_tqdm=False)
     assert llm.last_stats.prefix_cache.hits == 3 * 16
     for prompt, out in zip(batch, outputs, strict=True):
         ref = hf.generate(
@@ -320,4 +320,4 @@ def test_sliding_window_models_match_transformers_with_the_cache(model_dirs, arc
             eos_token_id=None,
             pad_token_id=0,
         )
-        assert out.token_ids == ref[0, len(prompt) :].tolist()
+        assert out.outputs[0].token_ids == ref[0, len(prompt) :].tolist()

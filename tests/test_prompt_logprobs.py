@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from compile_runtime.engine.llm import LLM
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.engine.llm import LLM
 
 EAGER = {"backend": "eager"}
 PROMPT = list(range(40, 75))  # 35 tokens: several 4-token blocks, several 8-token chunks
@@ -37,22 +37,25 @@ def check(prompt_logprobs, logprobs: torch.Tensor) -> None:
 def test_prompt_logprobs_equal_transformers_over_chunks(reference):
     model_dir, logprobs = reference
     llm = LLM(model_dir, EAGER, max_num_seqs=2, max_num_batched_tokens=8, block_size=4)
-    (out,) = llm.generate([PROMPT], PARAMS, progress=False)
+    (out,) = llm.generate([PROMPT], PARAMS, use_tqdm=False)
     check(out.prompt_logprobs, logprobs)
     plain = llm.generate(
-        [PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), progress=False
+        [PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), use_tqdm=False
     )
-    assert plain[0].prompt_logprobs is None and plain[0].token_ids == out.token_ids
+    assert (
+        plain[0].prompt_logprobs is None
+        and plain[0].outputs[0].token_ids == out.outputs[0].token_ids
+    )
 
 
 def test_requests_with_prompt_logprobs_bypass_the_prefix_cache(reference):
     model_dir, logprobs = reference
     llm = LLM(model_dir, EAGER, max_num_seqs=4, max_num_batched_tokens=16, block_size=4)
-    llm.generate([PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), progress=False)
-    (out,) = llm.generate([PROMPT], PARAMS, progress=False)  # the prompt's blocks are cached
+    llm.generate([PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), use_tqdm=False)
+    (out,) = llm.generate([PROMPT], PARAMS, use_tqdm=False)  # the prompt's blocks are cached
     assert llm.last_stats.prefix_cache.hits == 0  # but this request computes all of it
     check(out.prompt_logprobs, logprobs)
-    llm.generate([PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), progress=False)
+    llm.generate([PROMPT], PARAMS.model_copy(update={"prompt_logprobs": None}), use_tqdm=False)
     assert llm.last_stats.prefix_cache.hits > 0  # the cache itself is still there
 
 
@@ -69,7 +72,7 @@ def test_prompt_logprobs_survive_preemption(reference):
         enable_prefix_caching=False,
     )
     params = PARAMS.model_copy(update={"max_tokens": 20})
-    outs = llm.generate([PROMPT] * 4, params, progress=False)
+    outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0
     for out in outs:
         check(out.prompt_logprobs, logprobs)

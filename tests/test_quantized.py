@@ -198,7 +198,7 @@ def _weight_bytes(model) -> int:
 
 @pytest.fixture(scope="module")
 def q4_1_file():
-    from compile_runtime.testing.smollm2 import smollm2_gguf
+    from compile_runtime.models.smollm2 import smollm2_gguf
 
     try:
         return smollm2_gguf()

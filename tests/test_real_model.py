@@ -15,7 +15,7 @@ import torch
 import compile_runtime as cr
 from compile_runtime.cli import main as cli_main
 from compile_runtime.models.gguf import gguf_model_dir, gguf_tensors
-from compile_runtime.testing.smollm2 import smollm2_gguf
+from compile_runtime.models.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -93,26 +93,35 @@ def test_gguf_weights_equal_transformers_dequantized_ones(gguf_path, hf_model):
 
 def test_greedy_chat_answers_equal_transformers(llm, chat_prompts, reference):
     params = cr.SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    outputs = llm.generate(chat_prompts, params, progress=False)
-    assert [o.token_ids for o in outputs] == reference
-    assert all(o.finish_reason == "stop" and o.token_ids[-1] == IM_END for o in outputs)
+    outputs = llm.generate(chat_prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert all(
+        o.outputs[0].finish_reason == "stop" and o.outputs[0].token_ids[-1] == IM_END
+        for o in outputs
+    )
 
 
 def test_france_is_answered_with_paris_without_special_tokens(llm):
     prompt = llm.tokenizer.apply_chat_template(
         [{"role": "user", "content": QUESTIONS[0]}], add_generation_prompt=True, tokenize=False
     )
-    (out,) = llm.generate(prompt, cr.SamplingParams(temperature=0, max_tokens=32), progress=False)
-    assert "Paris" in out.text
-    assert "<|im_end|>" not in out.text and out.token_ids[-1] == IM_END
+    (out,) = llm.generate(prompt, cr.SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out.outputs[0].text
+    assert "<|im_end|>" not in out.outputs[0].text and out.outputs[0].token_ids[-1] == IM_END
     # The stop token's text is left out even with special tokens shown (vLLM's rule), unless
     # include_stop_str_in_output.
     raw = cr.SamplingParams(temperature=0, max_tokens=32, skip_special_tokens=False)
-    (shown,) = llm.generate(prompt, raw, progress=False)
-    assert shown.text == out.text and shown.token_ids == out.token_ids
+    (shown,) = llm.generate(prompt, raw, use_tqdm=False)
+    assert (
+        shown.outputs[0].text == out.outputs[0].text
+        and shown.outputs[0].token_ids == out.outputs[0].token_ids
+    )
     kept = raw.model_copy(update={"include_stop_str_in_output": True})
-    (kept,) = llm.generate(prompt, kept, progress=False)
-    assert kept.text == out.text + "<|im_end|>" and kept.token_ids == out.token_ids
+    (kept,) = llm.generate(prompt, kept, use_tqdm=False)
+    assert (
+        kept.outputs[0].text == out.outputs[0].text + "<|im_end|>"
+        and kept.outputs[0].token_ids == out.outputs[0].token_ids
+    )
 
 
 def test_defaults_are_sized_for_the_model_and_machine(llm):

@@ -11,20 +11,20 @@ import pytest
 import torch
 from compile_runtime.backends.attention import torch_native
 from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
+from compile_runtime.core.block_pool import BlockPool
 
 from compile_runtime.attention import layer as attention_layer
 from compile_runtime.config import CUDAGraphMode, RunnerConfig
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor.base import ExecutorError
 from compile_runtime.worker import startup
-from compile_runtime.core.block_pool import BlockPool
 from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     cuda_kv_budget,
     most_blocks_needed,
 )
-from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.worker.step_inputs import (
     StepBuffers,
     StepInputs,
@@ -120,8 +120,8 @@ def test_profiling_forward_builds_no_mask_over_all_its_tokens(model_dirs, monkey
         layers = len(llm.runner.layers)
         assert per_request == [(32, 32)] * 16 * layers  # the largest mask: [32, 32]
         assert all(layer.kv_cache.shape[1] == llm.runner.num_blocks for layer in llm.runner.layers)
-        out = llm.generate([[1, 2, 3]], GREEDY, progress=False)
-        assert len(out[0].token_ids) == 4
+        out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_tiny_model_takes_only_the_blocks_it_can_use(model_dirs):
@@ -136,21 +136,21 @@ def test_tiny_model_takes_only_the_blocks_it_can_use(model_dirs):
     ) as llm:
         assert llm.runner.num_blocks == most_blocks_needed(4, 64, 16) == 17
         assert llm.scheduler.block_pool.num_usable == 16
-        out = llm.generate([[1, 2, 3]] * 4, GREEDY, progress=False)
-        assert all(len(o.token_ids) == 4 for o in out)
+        out = llm.generate([[1, 2, 3]] * 4, GREEDY, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 
 
 def test_shutdown_gives_back_the_kv_cache_and_refuses_more_work(model_dirs):
     llm = LLM(model_dirs("llama"), EAGER, device="cpu", max_model_len=64)
-    first = llm.generate([[1, 2, 3]], GREEDY, progress=False)[0].token_ids
+    first = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     llm.shutdown()
     llm.shutdown()  # twice is fine
     assert all(layer.kv_cache is None for layer in llm.runner.layers)
     with pytest.raises((ExecutorError, RuntimeError), match="shut down"):
-        llm.generate([[1, 2, 3]], GREEDY, progress=False)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     # A second engine in the same process starts and gives the same tokens.
     with LLM(model_dirs("llama"), EAGER, device="cpu", max_model_len=64) as second:
-        assert second.generate([[1, 2, 3]], GREEDY, progress=False)[0].token_ids == first
+        assert second.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
 
 
 def test_block_pool_of_millions_costs_bytes_per_block_not_objects():

@@ -15,7 +15,7 @@ import torch
 import compile_runtime as cr
 from compile_runtime.cache import manage
 from compile_runtime.compiler import saved_program
-from compile_runtime.testing.transformer import build_transformer
+from testing.transformer import build_transformer
 
 SHAPE = dict(num_layers=2, hidden=64, num_heads=4, num_kv_heads=2, intermediate=128, vocab=100)
 
@@ -77,12 +77,16 @@ def test_a_second_engine_in_one_process_loads_the_first_ones_cache_entry(model_d
     params = cr.SamplingParams(temperature=0.0, max_tokens=5)
     inductor = {"backend": "inductor"}
     first = cr.LLM(model_dir, inductor, dtype="float32", max_model_len=64)
-    expected = [o.token_ids for o in first.generate(prompts, params, progress=False)]
+    expected = [o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)]
     before = counts()
     second = cr.LLM(model_dir, inductor, dtype="float32", max_model_len=64)
     assert delta(before) == {"traces": 0, "compiles": 0, "programs": 1}
-    assert [o.token_ids for o in second.generate(prompts, params, progress=False)] == expected
-    assert [o.token_ids for o in first.generate(prompts, params, progress=False)] == expected
+    assert [
+        o.outputs[0].token_ids for o in second.generate(prompts, params, use_tqdm=False)
+    ] == expected
+    assert [
+        o.outputs[0].token_ids for o in first.generate(prompts, params, use_tqdm=False)
+    ] == expected
     second.shutdown()
     first.shutdown()
 
@@ -101,7 +105,8 @@ def test_a_warm_cpu_start_runs_a_small_first_forward_not_the_largest_step(model_
     assert times[0].first_forward_tokens in (512, FIRST_FORWARD_TOKENS)  # cold, or warm
     assert f"{FIRST_FORWARD_TOKENS} tokens run" in times[1].summary()
     tokens = [
-        [o.token_ids for o in llm.generate(["hi there"], params, progress=False)] for llm in engines
+        [o.outputs[0].token_ids for o in llm.generate(["hi there"], params, use_tqdm=False)]
+        for llm in engines
     ]
     assert tokens[0] == tokens[1]
     for llm in engines:

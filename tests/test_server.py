@@ -15,8 +15,8 @@ pytest.importorskip("prometheus_client")
 import openai
 from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
 
-from compile_runtime.engine.llm import LLM
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.engine.llm import LLM
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def offline(chat_model):
     """What LLM.generate gives for the same prompts (greedy, 12 tokens)."""
     llm = LLM(chat_model, CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(PROMPTS, params, progress=False)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     llm.shutdown()
     return {p: o for p, o in zip(PROMPTS, outputs, strict=True)}
 
@@ -60,13 +60,13 @@ def test_greedy_completions_match_offline_generate(server, offline):
     for prompt in PROMPTS:
         response = complete(server, prompt)
         (choice,) = response.choices
-        assert choice.model_extra["token_ids"] == offline[prompt].token_ids
-        assert choice.text == offline[prompt].text
+        assert choice.model_extra["token_ids"] == offline[prompt].outputs[0].token_ids
+        assert choice.text == offline[prompt].outputs[0].text
         assert choice.finish_reason == "length"
         assert response.usage.completion_tokens == 12
         assert response.usage.prompt_tokens == len(offline[prompt].prompt_token_ids)
     by_ids = complete(server, offline[PROMPTS[0]].prompt_token_ids)  # token ids as the prompt
-    assert by_ids.choices[0].model_extra["token_ids"] == offline[PROMPTS[0]].token_ids
+    assert by_ids.choices[0].model_extra["token_ids"] == offline[PROMPTS[0]].outputs[0].token_ids
 
 
 def test_streamed_text_equals_the_whole_response(server, offline):
@@ -75,7 +75,7 @@ def test_streamed_text_equals_the_whole_response(server, offline):
         for chunk in complete(server, prompt, stream=True):
             pieces.append(chunk.choices[0].text)
             finish = chunk.choices[0].finish_reason or finish
-        assert "".join(pieces) == offline[prompt].text
+        assert "".join(pieces) == offline[prompt].outputs[0].text
         assert finish == "length"
 
 
@@ -84,11 +84,11 @@ def test_vllm_bench_clients_payload_is_served(server, offline):
     are taken (a repetition penalty of 1.0 and min_tokens 0 change nothing)."""
     extra = {"ignore_eos": True, "repetition_penalty": 1.0, "min_tokens": 0}
     response = complete(server, PROMPTS[0], logprobs=None, extra_body=extra)
-    assert response.choices[0].model_extra["token_ids"] == offline[PROMPTS[0]].token_ids
+    assert response.choices[0].model_extra["token_ids"] == offline[PROMPTS[0]].outputs[0].token_ids
 
 
 def test_stop_string_ends_the_text_before_it(server, offline):
-    text = offline[PROMPTS[0]].text
+    text = offline[PROMPTS[0]].outputs[0].text
     stop = text[3:6]
     response = complete(server, PROMPTS[0], stop=[stop])
     assert response.choices[0].text == text[: text.find(stop)]
@@ -130,7 +130,7 @@ def test_32_concurrent_clients_all_get_their_tokens(server, offline):
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         results = list(pool.map(lambda p: complete(server, p), jobs))
     for prompt, response in zip(jobs, results, strict=True):
-        assert response.choices[0].model_extra["token_ids"] == offline[prompt].token_ids
+        assert response.choices[0].model_extra["token_ids"] == offline[prompt].outputs[0].token_ids
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
@@ -174,7 +174,7 @@ def test_bad_requests_are_400_and_the_server_goes_on(server, offline, kwargs, ma
         server.client.completions.create(**request)
     assert err.value.status_code == 400
     assert complete(server, PROMPTS[0]).choices[0].model_extra["token_ids"] == (
-        offline[PROMPTS[0]].token_ids
+        offline[PROMPTS[0]].outputs[0].token_ids
     )
 
 
@@ -203,7 +203,7 @@ def test_echo_returns_the_prompt_and_its_logprobs(server, chat_model):
     (choice,) = response.choices
     llm = LLM(chat_model, CONFIG, max_model_len=MAX_MODEL_LEN)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
-    (expected,) = llm.generate([prompt], params, progress=False)
+    (expected,) = llm.generate([prompt], params, use_tqdm=False)
     llm.shutdown()
     n_prompt = len(expected.prompt_token_ids)
     assert choice.text.startswith(prompt) and len(choice.text) > len(prompt)
@@ -223,7 +223,7 @@ def test_speculative_server_streams_the_offline_tokens(chat_model, offline):
         for prompt in PROMPTS:
             stream = complete(s, prompt, stream=True)
             ids = [t for chunk in stream for t in chunk.choices[0].model_extra["token_ids"]]
-            assert ids == offline[prompt].token_ids
+            assert ids == offline[prompt].outputs[0].token_ids
         assert s.metric("compile_runtime_spec_decode_draft_tokens_total") > 0
     finally:
         s.stop()

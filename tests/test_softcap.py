@@ -38,8 +38,8 @@ def test_adapter_greedy_matches_transformers(model_dirs, arch, overrides, config
     """Soft cap (C decode kernel, torch prefill) and sliding windows through the adapter."""
     model_dir = model_dirs(arch, **overrides)
     llm = LLM(model_dir, config, max_num_seqs=4, max_num_batched_tokens=64, use_transformers=True)
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)
 
 
 @pytest.mark.parametrize(
@@ -151,5 +151,5 @@ def test_layers_whose_metadata_differs_get_a_builder_each(model_dirs, monkeypatc
     )
     windows = sorted(str(b.spec.sliding_window) for b, _ in llm.runner.metadata_groups)
     assert windows == ["8", "None"]
-    outputs = llm.generate(PROMPTS, GREEDY, progress=False)
-    assert [o.token_ids for o in outputs] == reference_tokens(model_dir)
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)

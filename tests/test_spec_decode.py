@@ -14,6 +14,7 @@ pytest.importorskip("hypothesis")
 from copier import copy_prompt, make_copier_dir, orbit
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from scheduler_invariants import check_scheduler_invariants
 from test_scheduler import FakeRunner, count_up, run
 from test_verify import RerunFactory
 
@@ -24,19 +25,18 @@ from compile_runtime.config import (
     CUDAGraphMode,
     RunnerConfig,
 )
+from compile_runtime.core.request import Request
+from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.rejection_sampler import rejection_sample
-from compile_runtime.core.request import Request
 from compile_runtime.worker.sampling_metadata import (
     RequestSamplingState,
     SamplingMetadata,
     make_generator,
 )
-from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.core.scheduler import Scheduler
-from scheduler_invariants import check_scheduler_invariants
 
 EAGER = {"backend": "eager"}
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
@@ -281,8 +281,10 @@ def test_greedy_tokens_identical_with_and_without_drafts(engines, prompts):
     plain, spec = engines
     batch = [REPEATS * reps + tail for reps, tail in prompts]  # repeated spans: drafts
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    expected = [o.token_ids for o in plain.generate(batch, params, progress=False)]
-    assert [o.token_ids for o in spec.generate(batch, params, progress=False)] == expected
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    assert [
+        o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)
+    ] == expected
     check_scheduler_invariants(spec.scheduler)
 
 
@@ -290,8 +292,10 @@ def test_drafts_are_verified_and_counted(engines):
     plain, spec = engines
     batch = [REPEATS * 4 + [i] for i in (3, 4, 5, 6)] * 2  # 8 requests: preemption
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    expected = [o.token_ids for o in plain.generate(batch, params, progress=False)]
-    assert [o.token_ids for o in spec.generate(batch, params, progress=False)] == expected
+    expected = [o.outputs[0].token_ids for o in plain.generate(batch, params, use_tqdm=False)]
+    assert [
+        o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)
+    ] == expected
     stats = spec.last_stats.spec_decode
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert 1 < stats.mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
@@ -315,13 +319,14 @@ def test_sampling_knobs_and_logprobs_run_through_the_rejection_sampler(engines):
         logprobs=2,
         max_tokens=24,
     )
-    a = spec.generate([REPEATS * 3] * 2, params, progress=False)
-    b = spec.generate([REPEATS * 3] * 2, params, progress=False)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]  # seeded: reproducible
+    a = spec.generate([REPEATS * 3] * 2, params, use_tqdm=False)
+    b = spec.generate([REPEATS * 3] * 2, params, use_tqdm=False)
+    tokens = [o.outputs[0].token_ids for o in a]
+    assert tokens == [o.outputs[0].token_ids for o in b]  # seeded: reproducible
     for o in a:
-        assert len(o.logprobs) == len(o.token_ids)
-        assert all(len(top) == 2 for _, top in o.logprobs)
-        assert len(o.token_ids) >= 4
+        assert len(o.outputs[0].logprobs) == len(o.outputs[0].token_ids)
+        assert all(len(top) == 2 for _, top in o.outputs[0].logprobs)
+        assert len(o.outputs[0].token_ids) >= 4
 
 
 def test_speculative_config_errors_name_the_field():
@@ -421,7 +426,7 @@ def test_one_copying_request_replays_full_graphs_of_1_plus_k_tokens(copier, monk
         forward = plan.forward_model
         assert BatchDescriptor(1 + k, num_reqs=1, uniform=True) in forward.entries
         replays = forward.num_replays
-        out = llm.generate([prompt], params, progress=False)[0].token_ids
+        out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         stats = llm.last_stats.spec_decode
         uniform_steps = llm.workload.decode[1 + k]
         assert out == orbit(f, f[prompt[-1]], 24)  # the copy, every draft accepted

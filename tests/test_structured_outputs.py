@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compile_runtime as cr
-from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.core.sampling_params import StructuredOutputsParams as Constraint
-from compile_runtime.testing.smollm2 import smollm2_gguf
+from compile_runtime.models.smollm2 import smollm2_gguf
+from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 
 CITY = {
     "type": "object",
@@ -63,7 +63,10 @@ def test_regex_choice_and_json_object(llm):
         temperature=0.9, seed=3, max_tokens=20, structured_outputs=phone, top_p=0.9
     )
     (out,) = llm.generate("My phone number is", sampled, use_tqdm=False)
-    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.text) and out.finish_reason == "stop"
+    assert (
+        re.fullmatch(r"[0-9]{3}-[0-9]{4}", out.outputs[0].text)
+        and out.outputs[0].finish_reason == "stop"
+    )
     yes_no = Constraint(choice=["yes", "no"])
     question = [{"role": "user", "content": "Is Paris in France? Answer yes or no."}]
     (answer,) = llm.chat(question, constrained(yes_no), use_tqdm=False)
@@ -78,15 +81,15 @@ def test_regex_choice_and_json_object(llm):
 
 def test_free_requests_in_a_constrained_batch_get_the_same_tokens(llm):
     free = cr.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    alone = llm.generate(["The capital of France is"], free, use_tqdm=False)[0].token_ids
+    alone = llm.generate(["The capital of France is"], free, use_tqdm=False)[0].outputs[0].token_ids
     mixed = llm.generate(
         ["The capital of France is", "Answer in JSON:", "Phone:"],
         [free, constrained(Constraint(json=CITY)), constrained(Constraint(regex=r"[0-9]{7}"))],
         use_tqdm=False,
     )
-    assert mixed[0].token_ids == alone
-    jsonschema.validate(json.loads(mixed[1].text), CITY)
-    assert re.fullmatch(r"[0-9]{7}", mixed[2].text)
+    assert mixed[0].outputs[0].token_ids == alone
+    jsonschema.validate(json.loads(mixed[1].outputs[0].text), CITY)
+    assert re.fullmatch(r"[0-9]{7}", mixed[2].outputs[0].text)
 
 
 def test_speculation_gives_the_same_constrained_tokens():
@@ -99,9 +102,9 @@ def test_speculation_gives_the_same_constrained_tokens():
         proposed = spec.last_stats.spec_decode.num_draft_tokens
     with cr.LLM(smollm2_gguf(), dtype="float32") as plain:
         want = plain.chat([prompt, ASK], [params, constrained(Constraint(json=CITY))])
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
     assert proposed > 0  # drafts were proposed and verified under the grammar
-    jsonschema.validate(json.loads(got[0].text), schema)
+    jsonschema.validate(json.loads(got[0].outputs[0].text), schema)
 
 
 SIMPLE_FIELDS = st.sampled_from(
@@ -129,7 +132,7 @@ def test_outputs_validate_against_simple_schemas(llm, fields):
     schema = {"type": "object", "properties": fields, "required": sorted(fields)}
     prompt = [{"role": "user", "content": f"Describe a cat as JSON with {', '.join(fields)}."}]
     (out,) = llm.chat(prompt, constrained(Constraint(json=schema), max_tokens=128), use_tqdm=False)
-    assert out.finish_reason == "stop", out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop", out.outputs[0].text
     jsonschema.validate(json.loads(out.outputs[0].text), schema)
 
 
@@ -162,7 +165,7 @@ def test_the_bitmask_masks_exactly_the_disallowed_tokens():
 def test_grammars_survive_preemption_and_serve_each_sample(llm):
     prompts = [ASK] * 6
     params = constrained(Constraint(json=CITY))
-    want = [o.token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
     with cr.LLM(smollm2_gguf(), dtype="float32", num_gpu_blocks_override=12) as small:
         got = small.chat(prompts, params, use_tqdm=False)
         assert small.scheduler.num_preemptions > 0  # requests were preempted and resumed
@@ -170,7 +173,7 @@ def test_grammars_survive_preemption_and_serve_each_sample(llm):
             n=3, temperature=1.0, seed=5, max_tokens=96, structured_outputs=Constraint(json=CITY)
         )
         (three,) = small.chat(ASK, sampled, use_tqdm=False)
-    assert [o.token_ids for o in got] == want
+    assert [o.outputs[0].token_ids for o in got] == want
     for c in three.outputs:
         jsonschema.validate(json.loads(c.text), CITY)
 
@@ -178,9 +181,9 @@ def test_grammars_survive_preemption_and_serve_each_sample(llm):
 def test_a_token_outside_the_grammar_aborts_its_request_never_a_quiet_answer():
     from transformers import AutoTokenizer
 
-    from compile_runtime.models.gguf import gguf_model_dir
     from compile_runtime.core.request import Request, RequestStatus
     from compile_runtime.core.structured_output import StructuredOutputManager
+    from compile_runtime.models.gguf import gguf_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_model_dir(smollm2_gguf()))
     manager = StructuredOutputManager(tokenizer, 49152, (2,))
@@ -209,7 +212,10 @@ def test_tensor_parallel_and_the_prefix_cache_keep_the_constrained_tokens(model_
     options = dict(max_num_seqs=4, max_model_len=96)
 
     def run(llm):
-        return [[o.token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+        return [
+            [o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)]
+            for p in params
+        ]
 
     with cr.LLM(model_dirs("llama"), {"backend": "eager"}, **options) as one:
         expected = run(one)

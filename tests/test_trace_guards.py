@@ -14,7 +14,7 @@ from compile_runtime.compiler.decorator import attention_split, compiled_model, 
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
-from compile_runtime.testing.toy import build
+from testing.toy import build
 
 counter = cr.compilation_counter
 EAGER = cr.CompilationConfig(backend="eager")

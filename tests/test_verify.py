@@ -15,10 +15,10 @@ import compile_runtime as cr
 import compile_runtime.compiler.graph_compiler as backend_module
 from compile_runtime.cli import main
 from compile_runtime.compiler.decorator import set_graph_factory
-from compile_runtime.testing.transformer import build_transformer
 from compile_runtime.verify.compare import VerifyError, compare, tolerance_for
 from compile_runtime.verify.model_dir import check_model_dir
 from compile_runtime.verify.verifier import verify_model
+from testing.transformer import build_transformer
 
 # No piecewise graphs: these models stay on the CPU, and on a CUDA machine the pieces would
 # otherwise be wrapped and "captured" with no GPU work in them.

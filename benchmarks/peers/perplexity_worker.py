@@ -47,7 +47,7 @@ def nll_llamacpp(side: worker.LlamaCppSide, windows: list[list[int]]) -> list[li
 
 def nll_ours(side: worker.OursSide, windows: list[list[int]]) -> list[list[float]]:
     params = side.cr.SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
-    outputs = side.llm.generate(windows, params, progress=False)
+    outputs = side.llm.generate(windows, params, use_tqdm=False)
     out = []
     for ids, o in zip(windows, outputs, strict=True):
         entries = o.prompt_logprobs

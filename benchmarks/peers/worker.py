@@ -201,8 +201,8 @@ class OursSide:
             self.cr.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             for _, n in requests
         ]
-        outputs = self.llm.generate([p for p, _ in requests], params, progress=False)
-        return [list(o.token_ids) for o in outputs]
+        outputs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
 
     def close(self) -> None:
         self.llm.shutdown()

@@ -38,23 +38,6 @@ class RequestOutput:
     prompt_logprobs: list | None = None
     first_token_seconds: float | None = None  # from generate() start to the first token
 
-    # The first output's fields under the flat names of earlier releases (kept for one more).
-    @property
-    def text(self) -> str | None:
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.outputs[0].token_ids
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.outputs[0].finish_reason
-
-    @property
-    def logprobs(self) -> list | None:
-        return self.outputs[0].logprobs
-
 
 @dataclass
 class GenerateStats:

