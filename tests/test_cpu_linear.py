@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 import compile_runtime as cr
 from compile_runtime.distributed import ColumnParallelLinear, RowParallelLinear
-from compile_runtime.ops import cpu_linear
+from compile_runtime.ops import cpu_linear, packed_weights
+from compile_runtime.ops.packed_weights import lookup
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])
@@ -27,14 +30,14 @@ def test_a_weight_changed_after_packing_is_never_served_stale():
     weight = torch.randn(32, 16)
     x = torch.randn(8, 16)
     cpu_linear.pack_weight(weight)
-    assert cpu_linear._lookup(weight) is not None
+    assert lookup(weight) is not None
     with torch.no_grad():
         weight.mul_(2)  # bumps the version counter
-    assert cpu_linear._lookup(weight) is None
+    assert lookup(weight) is None
     out = torch.ops.compile_runtime.cpu_linear(x, weight, None)
     assert (out - F.linear(x, weight)).abs().max() < 1e-5
     cpu_linear.pack_weight(weight)  # packing again serves the new values
-    assert cpu_linear._lookup(weight) is not None
+    assert lookup(weight) is not None
 
 
 def test_pack_linear_weights_flags_layers_and_compiled_model_matches_eager():
@@ -67,11 +70,28 @@ def test_packed_copy_follows_the_parameter_not_the_address():
     torch.manual_seed(0)
     layer = ColumnParallelLinear(16, [16], bias=False, name="sq")
     cpu_linear.pack_linear_weights(layer)
-    assert cpu_linear._lookup(layer.weight) is not None
-    assert cpu_linear._lookup(layer.weight.t()) is None  # same pointer and shape, other strides
+    assert lookup(layer.weight) is not None
+    assert lookup(layer.weight.t()) is None  # same pointer and shape, other strides
     old = layer.weight.data
     layer.weight.data = torch.randn(16, 16)
-    assert cpu_linear._lookup(old) is None  # the packed parameter no longer lives there
+    assert lookup(old) is None  # the packed parameter no longer lives there
+
+
+def test_one_record_per_weight_made_per_layer_and_dropped_with_the_parameter():
+    """Float and quantized weights share the one registry: ``forget`` drops either before a
+    loader writes through .data, and a record goes when its parameter does."""
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(32, [16], bias=False, name="f")
+    entry = cpu_linear.process_weights_after_loading(layer)
+    assert entry is lookup(layer.weight) and entry.onednn is not None
+    packed_weights.forget(layer.weight.data[2:4])  # a slice of its rows about to be written
+    assert lookup(layer.weight) is None
+    cpu_linear.process_weights_after_loading(layer)
+    address = layer.weight.data_ptr()
+    assert address in packed_weights._by_address
+    del layer, entry
+    gc.collect()  # the parameter's tp_shard is a method of its layer: a cycle
+    assert address not in packed_weights._by_address
 
 
 def test_repack_after_writes_through_data():

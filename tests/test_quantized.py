@@ -21,6 +21,7 @@ from compile_runtime.ops import cpu_quant_formats as qf
 from compile_runtime.ops.cpu_linear import cpu_linear_impl
 from compile_runtime.ops.cpu_quant_embedding import quant_embedding
 from compile_runtime.ops.cpu_quant_gemm import kernel_available, quant_linear
+from compile_runtime.ops.packed_weights import forget
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
@@ -98,7 +99,7 @@ def test_a_weight_written_again_is_no_longer_taken_for_packed():
     w.copy_(rows)  # moves the version counter
     assert not qf.is_packed(w)
     _, w2 = _weight(qf.Q8_0, 16, 64, packed=True)
-    qf.forget_packing(w2[4:8])  # a loader writing some rows through .data
+    forget(w2[4:8])  # a loader writing some rows through .data
     assert not qf.is_packed(w2)
 
 

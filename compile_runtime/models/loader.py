@@ -31,11 +31,11 @@ from compile_runtime.ops.cpu_quant_formats import (
     BLOCK,
     Q8_0,
     QuantFormat,
-    forget_packing,
     format_of,
     quantize_q8_0,
     quantized_shape,
 )
+from compile_runtime.ops.packed_weights import forget
 
 logger = logging.getLogger(__name__)
 
@@ -298,7 +298,7 @@ def quantize_parameters(model: nn.Module, plan: dict[str, QuantFormat]) -> None:
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
-    forget_packing(dst)  # rows written in the row layout: packed again after loading
+    forget(dst)  # written through .data: its layer is processed again after loading
     if dst.shape != src.shape:
         raise WeightLoadingError(
             f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects "

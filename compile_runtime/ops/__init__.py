@@ -1,4 +1,4 @@
-"""Fused custom ops that the graph passes put in place of common patterns.
+"""Fused custom ops that the graph passes put in place of common patterns (``fused``).
 
 Each op is a ``torch.library`` custom op with a fake (meta) implementation, a
 Triton kernel on CUDA (``triton_kernels``) and a plain PyTorch implementation
@@ -11,12 +11,14 @@ included: the passes replace a pattern only by an op of identical semantics.
     torch.ops.compile_runtime.rotary_embedding_(positions, query, key, cos_cache, sin_cache)
                                                           # in place on query and key
 
-CPU linear layers: ``cpu_linear`` (which kernel for the row count and the weight),
-``cpu_gemv`` and ``cpu_amx`` (C kernels for float weights), ``c_library`` (builds them
-from ``csrc/``, typed by ``c_header`` from their headers);
-quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1 blocks in the kernels'
-layout), ``cpu_quant_gemm`` (the int8 VNNI kernel), ``cpu_quant_embedding`` (lookups that
-dequantize only their rows).
+CPU linear layers: ``cpu_linear`` (which kernel for the row count and the weight; each
+layer's weight processed once after loading), ``packed_weights`` (the one record of what
+processing made of a weight, found by the op), ``cpu_gemv`` and ``cpu_amx`` (C kernels for
+float weights), ``c_library`` (builds them from ``csrc/``, typed by ``c_header`` from their
+headers), ``native_function`` (a C function a CPU graph can record), ``hugepages`` (weights
+moved into huge pages); quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1
+blocks in the kernels' layout), ``cpu_quant_gemm`` (the int8 VNNI kernel),
+``cpu_quant_embedding`` (lookups that dequantize only their rows).
 """
 
 from __future__ import annotations

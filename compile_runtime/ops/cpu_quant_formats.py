@@ -22,7 +22,8 @@ rearrangement) is still a weight of the same format.
 
 That row layout is how weights load (slices, fused parts, shards are whole rows). Once
 loaded, ``pack_rows`` rearranges a linear layer's weight in place into the kernel's
-layout, the same bytes in a different order, and records it (``is_packed``):
+layout, the same bytes in a different order, and records that (``is_packed``; the record is
+kept with every processed weight's, ``packed_weights.py``):
 
 * rows in groups of 16 (the last group has ``r = N mod 16`` rows, if any), each group's
   bytes where its rows' bytes were;
@@ -40,11 +41,12 @@ row whose block count is not a multiple of 16 (576 inputs are 18 blocks).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
 
 BLOCK = 32  # values per block, every format
 
@@ -211,45 +213,23 @@ def _packed_fields(weight: torch.Tensor, fmt: QuantFormat):
     return torch.cat(ds), torch.cat(ms) if ms else None, torch.cat(qs)
 
 
-# Weights rearranged in place by pack_rows, by data pointer: (the tensor, its version then).
-_packed: dict[int, tuple[weakref.ref, int]] = {}
-
-
 def is_packed(weight: torch.Tensor) -> bool:
     """``weight``'s bytes are in the packed layout (``pack_rows``), and unchanged since."""
-    entry = _packed.get(weight.data_ptr())
-    if entry is None:
-        return False
-    original = entry[0]()
-    return (
-        original is not None
-        and original.data_ptr() == weight.data_ptr()
-        and original.shape == weight.shape
-        and entry[1] == weight._version
-    )
+    return lookup(weight) is not None
 
 
-def pack_rows(weight: torch.Tensor) -> None:
-    """Rearrange a quantized weight (row layout) in place into the packed layout; once."""
+def pack_rows(weight: torch.Tensor) -> PackedWeight:
+    """Rearrange a quantized weight (row layout) in place into the packed layout, once; the
+    record (``packed_weights.py``) says its bytes are in that layout while it is current."""
     fmt = format_of(weight)
     if fmt is None:
         raise ValueError(f"not a quantized weight: {weight.dtype} {tuple(weight.shape)}")
-    if is_packed(weight):
-        return
+    entry = lookup(weight)
+    if entry is not None:
+        return entry
     with torch.no_grad():
         weight.view(-1).copy_(_packed_bytes(fmt, *_row_fields(weight, fmt)))
-    key = weight.data_ptr()
-    _packed[key] = (weakref.ref(weight, lambda _: _packed.pop(key, None)), weight._version)
-
-
-def forget_packing(weight: torch.Tensor) -> None:
-    """``weight`` (or a slice of it) is about to be written in the row layout again (a
-    weight loader): the packed weight it belongs to is packed afresh later."""
-    storage = weight.untyped_storage().data_ptr()
-    for key, (ref, _) in list(_packed.items()):
-        original = ref()
-        if original is None or original.untyped_storage().data_ptr() == storage:
-            _packed.pop(key, None)
+    return record(weight)
 
 
 def dequantize(weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -45,11 +45,10 @@ from compile_runtime.ops.cpu_quant_formats import (
     Q8_0,
     dequantize,
     format_of,
-    is_packed,
     pack_rows,
 )
-from compile_runtime.ops.hugepages import move_into_hugepages
 from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.ops.packed_weights import PackedWeight, lookup
 
 if TYPE_CHECKING:
     from compile_runtime.ops.c_library import CLibrary
@@ -86,16 +85,12 @@ def kernel_available() -> bool:
     return _library() is not None
 
 
-def pack_for_kernel(weights: list[nn.Parameter]) -> None:
-    """Put quantized weights in the kernel's layout (in place, once) when the kernel is
-    here, moved together into huge pages first (``hugepages.py``)."""
-    if not kernel_available():
-        return
-    fresh = [w for w in {id(w): w for w in weights}.values() if not is_packed(w)]
-    move_into_hugepages(fresh)
-    for w in fresh:
-        if w.is_contiguous():
-            pack_rows(w)
+def pack_for_kernel(weight: nn.Parameter) -> PackedWeight | None:
+    """Put a quantized weight in the kernel's layout (in place, once) when the kernel is
+    here to read it; its record, or None."""
+    if not kernel_available() or not weight.is_contiguous():
+        return None
+    return pack_rows(weight)
 
 
 def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -113,7 +108,7 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         or weight.dtype != torch.uint8
         or dtype not in _X_DTYPES
         or x.shape[-1] != k
-        or not is_packed(weight)
+        or lookup(weight) is None  # not in the kernel's layout (pack_rows)
     ):
         if format_of(weight) is None:
             raise ValueError(f"not a quantized weight: {weight.dtype} {tuple(weight.shape)}")
@@ -140,7 +135,7 @@ def quant_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> t
     n, nb, block_bytes = weight.shape
     rows = _rows_kernel()
     flat = ids.reshape(-1)
-    packed = is_packed(weight)
+    packed = lookup(weight) is not None  # the kernel's layout (pack_rows)
     if rows is None or dtype not in _X_DTYPES or not packed:
         if packed:  # a packed row is spread over its group: dequantize the table
             return dequantize(weight, dtype)[flat].view(*ids.shape, -1)
