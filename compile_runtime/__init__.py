@@ -37,7 +37,7 @@ _LAZY = {
     "RequestOutput": "compile_runtime.engine.outputs",
     "CompletionOutput": "compile_runtime.engine.outputs",
     "SamplingParams": "compile_runtime.core.sampling_params",
-    "StepFailedError": "compile_runtime.engine.llm",
+    "StepFailedError": "compile_runtime.engine.core",
 }
 
 

@@ -17,9 +17,9 @@ from safetensors import SafetensorError
 
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
-from compile_runtime.worker.startup import ModelRunnerError
 from compile_runtime.server.tool_parsers import PARSERS
 from compile_runtime.version import __version__
+from compile_runtime.worker.startup import ModelRunnerError
 
 # ValueError covers pydantic's ValidationError, JSON errors and most of our own
 # error classes (CacheError, WeightLoadingError, CudagraphModeError, ...);

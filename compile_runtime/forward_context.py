@@ -13,6 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 from compile_runtime.config import CUDAGraphMode
 
+# What one forward runs in (the others are configurations, resolved into these per batch).
+RUNTIME_MODES = frozenset((CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
+
 if TYPE_CHECKING:
     from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 
@@ -48,7 +51,7 @@ def set_forward_context(
     batch_descriptor: BatchDescriptor | None = None,
     num_tokens: int | None = None,
 ) -> Iterator[ForwardContext]:
-    if cudagraph_runtime_mode.separate_routine():
+    if cudagraph_runtime_mode not in RUNTIME_MODES:
         raise ValueError(
             f"cudagraph_runtime_mode must be a runtime mode (NONE, PIECEWISE, FULL), got "
             f"{cudagraph_runtime_mode.name}; use mode.decode_mode() or mode.mixed_mode()"

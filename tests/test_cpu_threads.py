@@ -44,14 +44,12 @@ def test_the_engine_chooses_once_and_only_on_a_cpu(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 8)
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 2)
-    config = RunnerConfig()
-    cpu_threads.choose_num_threads(config, "cpu", tp_size=2)
+    config = cpu_threads.choose_num_threads(RunnerConfig(), "cpu", tp_size=2)
     assert config.num_threads == 3
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 0)  # a worker's view: unchanged
-    cpu_threads.choose_num_threads(config, "cpu", tp_size=2)
+    assert cpu_threads.choose_num_threads(config, "cpu", tp_size=2) is config
     assert config.num_threads == 3
-    on_gpu = RunnerConfig()
-    cpu_threads.choose_num_threads(on_gpu, "cuda", tp_size=1)
+    on_gpu = cpu_threads.choose_num_threads(RunnerConfig(), "cuda", tp_size=1)
     assert on_gpu.num_threads is None
 
 

@@ -66,7 +66,7 @@ def test_a_cache_without_one_block_names_the_flag():
 
 def test_values_the_user_set_are_kept():
     c = RunnerConfig(kv_cache_bytes=2**20, max_model_len=64)
-    size_runner_config(c, SMOLLM2, torch.float32, "cpu")
+    c = size_runner_config(c, SMOLLM2, torch.float32, "cpu")
     assert (c.kv_cache_bytes, c.max_model_len) == (2**20, 64)
 
 
@@ -120,7 +120,7 @@ def test_every_eos_id_of_config_and_generation_config_stops(model_dirs, tmp_path
     with open(os.path.join(model_dir, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, 7, 9]}, f)  # as Llama 3 Instruct lists <|eot_id|>
     llm = cr.LLM(model_dir, EAGER, kv_cache_bytes=2**24)
-    assert llm.eos_token_ids == (2, 7, 9)
+    assert llm.core.eos_token_ids == (2, 7, 9)
     for eos in (7, 9):
         forced = cr.SamplingParams(temperature=0, max_tokens=8, logit_bias={eos: 100.0})
         (out,) = llm.generate([5, 6], forced, use_tqdm=False)

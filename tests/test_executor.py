@@ -130,7 +130,7 @@ def test_tp2_piecewise_matches_tp1(model_dirs, arch, runner):
             llm.runner  # noqa: B018
         assert llm.workload.num_steps == llm.last_stats.steps
         if runner is CHUNKED:
-            assert llm.scheduler.num_preemptions > 0
+            assert llm.core.scheduler.num_preemptions > 0
             # Again: the prompts' blocks are in the prefix cache; every rank reads the same ones.
             again = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
             assert again == tokens and llm.last_stats.prefix_cache.hits > 0

@@ -43,7 +43,8 @@ from compile_runtime.config import (
     resolve_cudagraph_mode,
 )
 from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.engine.llm import LLM, StepFailedError
+from compile_runtime.engine.core import StepFailedError
+from compile_runtime.engine.llm import LLM
 from testing.toy import SumAttention
 
 counter = cr.compilation_counter
@@ -550,7 +551,7 @@ def good_call_steps(llm, expected):
 
 def assert_idle(llm: LLM) -> None:
     """Nothing queued or running, every block back in the pool."""
-    s = llm.scheduler
+    s = llm.core.scheduler
     assert not s.has_unfinished() and not s.requests
     assert s.block_pool.num_free == s.block_pool.num_usable
 
@@ -688,8 +689,8 @@ def test_runner_config_rejects_bad_sizes_in_one_line(kwargs, field):
     message = str(exc.value)
     assert message.startswith(f"RunnerConfig.{field}") and "\n" not in message
     config = RunnerConfig()
-    with pytest.raises(ConfigError, match="block_size=0"):
-        config.block_size = 0  # assignment is checked too
+    with pytest.raises(ConfigError, match="block_size=0: the configuration is frozen"):
+        config.block_size = 0  # decided once: a changed size is a new config
     assert config.block_size == 16
 
 

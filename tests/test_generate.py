@@ -79,7 +79,7 @@ def test_chunked_prefill_and_preemption_keep_greedy_tokens(model_dirs):
     )
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference_tokens(model_dir)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.core.scheduler.num_preemptions > 0
 
 
 def test_text_prompts_and_stop_conditions(model_dirs):

@@ -1,8 +1,8 @@
-"""The package's modules import each other one way: no import cycle, not even inside a function.
+"""The package reads in one direction: no import cycle, every folder names its files, no file
+longer than one concept needs.
 
-A cycle hidden in a function-level import still ties two modules together (neither can be
-read, moved or tested without the other), so imports inside functions count too; imports
-under ``if TYPE_CHECKING:`` do not run and do not count.
+A cycle hidden in a function-level import or in an ``if TYPE_CHECKING:`` import still ties two
+modules together (neither can be read, moved or tested without the other), so both count.
 """
 
 from __future__ import annotations
@@ -41,8 +41,6 @@ def imported_names(module: str, path: Path, modules: dict[str, Path]) -> set[str
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
             if isinstance(child, ast.Import):
                 names.update(alias.name for alias in child.names)
             elif isinstance(child, ast.ImportFrom):
@@ -61,11 +59,23 @@ def imported_names(module: str, path: Path, modules: dict[str, Path]) -> set[str
     return names
 
 
+def loaded_packages(target: str, importer: str, modules: dict[str, Path]) -> set[str]:
+    """The packages whose ``__init__`` importing ``target`` runs first: its own and those above
+    it, less the importer's own packages (already loading when it runs)."""
+    packages = set()
+    while "." in target:
+        target = target.rpartition(".")[0]
+        if target in modules and not (importer + ".").startswith(target + "."):
+            packages.add(target)
+    return packages
+
+
 def import_graph() -> dict[str, set[str]]:
     modules = module_files()
     graph = {}
     for module, path in modules.items():
         targets = {own_module(n, modules) for n in imported_names(module, path, modules)}
+        targets |= {p for t in set(targets) if t for p in loaded_packages(t, module, modules)}
         graph[module] = {t for t in targets if t and t != module}
     return graph
 
@@ -99,6 +109,12 @@ def test_the_graph_sees_the_package():
         and "compile_runtime.backends.attention.cpu_batched" in graph
     )
     assert "compile_runtime.config" in graph["compile_runtime.compiler.decorator"]
+
+
+def test_importing_a_module_runs_its_packages_init():
+    modules = {name: Path() for name in ("a", "a.b", "a.b.c", "d")}
+    assert loaded_packages("a.b.c", "d", modules) == {"a", "a.b"}
+    assert loaded_packages("a.b.c", "a.b.x", modules) == set()  # inside a.b: already loading
 
 
 def test_finds_a_cycle_when_there_is_one():
@@ -143,3 +159,28 @@ def test_every_folder_says_what_it_holds():
         if path.name == "__init__.py" and not ast.get_docstring(ast.parse(path.read_text()))
     ]
     assert not silent, f"give these a docstring naming each file's concept: {silent}"
+
+
+def unnamed_files(init: Path) -> list[str]:
+    """The modules of ``init``'s folder its docstring does not name (as ``name`` or name.py)."""
+    doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+    return [
+        path.stem
+        for path in sorted(init.parent.glob("*.py"))
+        if path.name != "__init__.py"
+        and f"``{path.stem}``" not in doc
+        and f"{path.stem}.py" not in doc
+    ]
+
+
+def test_every_folder_names_each_of_its_files(tmp_path):
+    missing = {
+        str(path.parent.relative_to(REPO)): names
+        for path in module_files().values()
+        if path.name == "__init__.py" and (names := unnamed_files(path))
+    }
+    assert not missing, f"name these files in their folder's __init__ docstring: {missing}"
+    (tmp_path / "__init__.py").write_text('"""``kept``: named."""\n')
+    (tmp_path / "kept.py").write_text("")
+    (tmp_path / "forgotten.py").write_text("")
+    assert unnamed_files(tmp_path / "__init__.py") == ["forgotten"]

@@ -98,7 +98,7 @@ def test_a_stop_string_ends_the_request_as_stop(llm):
     assert (c.finish_reason, c.stop_reason) == ("stop", stop)
     assert c.text == text[: text.index(stop)]
     assert c.token_ids == full.outputs[0].token_ids[: len(c.token_ids)] and len(c.token_ids) < 24
-    assert llm.scheduler.requests == {}  # finished, blocks freed: nothing left running
+    assert llm.core.scheduler.requests == {}  # finished, blocks freed: nothing left running
     kept = params.model_copy(update={"stop": [stop], "include_stop_str_in_output": True})
     (with_stop,) = llm.generate([PROMPTS[1]], kept, use_tqdm=False)
     assert with_stop.outputs[0].text == text[: text.index(stop) + len(stop)]
@@ -125,16 +125,16 @@ def test_the_stop_tokens_text_is_left_out_unless_asked_for(llm, stop_strings):
     forced = {"temperature": 0, "max_tokens": 8, "logit_bias": {percent: 100.0}}
     for stop in ({"stop_token_ids": [percent]}, {}):  # a stop token id; an EOS id
         params = cr.SamplingParams(**forced, **stop, stop=stop_strings)
-        old_eos = llm.eos_token_ids
+        old_eos = llm.core.eos_token_ids
         if not stop:
-            llm.eos_token_ids = (*old_eos, percent)
+            llm.core.eos_token_ids = (*old_eos, percent)
         try:
             (out,) = llm.generate([PROMPTS[0]], params, use_tqdm=False)
             (kept,) = llm.generate(
                 [PROMPTS[0]], params.model_copy(update={"include_stop_str_in_output": True})
             )
         finally:
-            llm.eos_token_ids = old_eos
+            llm.core.eos_token_ids = old_eos
         assert out.outputs[0].token_ids == [percent] and out.outputs[0].finish_reason == "stop"
         assert out.outputs[0].text == "" and kept.outputs[0].text == "%"
 

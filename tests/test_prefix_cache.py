@@ -9,17 +9,17 @@ from collections import Counter
 import pytest
 
 pytest.importorskip("hypothesis")
-from compile_runtime.core.block_pool import BlockPool
-from compile_runtime.core.prefix_cache import ROOT_HASH, extend_block_hashes, hash_block
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scheduler_invariants import check_scheduler_invariants
 from test_scheduler import FakeRunner, check_invariants, run
 
+from compile_runtime.core.kv_blocks import ROOT_HASH, BlockPool, extend_block_hashes, hash_block
 from compile_runtime.core.request import Request
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from compile_runtime.engine.llm import LLM, StepFailedError
+from compile_runtime.engine.core import StepFailedError
+from compile_runtime.engine.llm import LLM
 
 EAGER = {"backend": "eager"}
 
@@ -260,21 +260,21 @@ def test_greedy_tokens_identical_with_and_without_the_cache(llama_pair, prompts)
     batch = [SYSTEM[:n] + tail for n, tail in prompts]
     expected = [o.outputs[0].token_ids for o in off.generate(batch, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
-    check_scheduler_invariants(on.scheduler)
-    assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
+    check_scheduler_invariants(on.core.scheduler)
+    assert on.core.scheduler.block_pool.num_free == on.core.scheduler.block_pool.num_usable
 
 
 def test_engine_reports_hits_and_preemption_restarts_stay_identical(llama_pair):
     on, off = llama_pair
     batch = [SYSTEM + [i] * 8 for i in range(3, 11)]  # 8 shared + 4 running x 4 own > 19
-    preemptions = on.scheduler.num_preemptions
+    preemptions = on.core.scheduler.num_preemptions
     expected = [o.outputs[0].token_ids for o in off.generate(batch, GREEDY, use_tqdm=False)]
     assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
     stats = on.last_stats.prefix_cache
     assert stats.queries >= 8 * 40 and stats.hits >= 7 * 32
     assert on.prefix_cache_stats.hits >= stats.hits
     assert off.last_stats.prefix_cache.hits == 0
-    assert on.scheduler.num_preemptions > preemptions
+    assert on.core.scheduler.num_preemptions > preemptions
 
 
 def test_a_failed_step_leaves_the_cache_consistent_and_correct(llama_pair, monkeypatch):
@@ -293,8 +293,8 @@ def test_a_failed_step_leaves_the_cache_consistent_and_correct(llama_pair, monke
     with pytest.raises(StepFailedError, match="injected fault"):
         on.generate(batch, GREEDY, use_tqdm=False)
     monkeypatch.undo()
-    check_scheduler_invariants(on.scheduler)
-    assert on.scheduler.block_pool.num_free == on.scheduler.block_pool.num_usable
+    check_scheduler_invariants(on.core.scheduler)
+    assert on.core.scheduler.block_pool.num_free == on.core.scheduler.block_pool.num_usable
     assert [o.outputs[0].token_ids for o in on.generate(batch, GREEDY, use_tqdm=False)] == expected
 
 

@@ -73,7 +73,7 @@ def test_prompt_logprobs_survive_preemption(reference):
     )
     params = PARAMS.model_copy(update={"max_tokens": 20})
     outs = llm.generate([PROMPT] * 4, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0
+    assert llm.core.scheduler.num_preemptions > 0
     for out in outs:
         check(out.prompt_logprobs, logprobs)
 

@@ -130,7 +130,7 @@ def test_defaults_are_sized_for_the_model_and_machine(llm):
     assert c.kv_cache_bytes is not None and c.kv_cache_bytes >= 256 * 2**20
     assert llm.startup.kv_cache_tokens >= c.max_model_len
     assert "GiB" in llm.startup.summary() and "tokens in" in llm.startup.summary()
-    assert llm.eos_token_ids == (IM_END,)
+    assert llm.core.eos_token_ids == (IM_END,)
 
 
 def test_cli_generate_runs_a_gguf_file(gguf_path, capsys):

@@ -11,10 +11,10 @@ import pytest
 import torch
 from compile_runtime.backends.attention import torch_native
 from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
-from compile_runtime.core.block_pool import BlockPool
 
 from compile_runtime.attention import layer as attention_layer
 from compile_runtime.config import CUDAGraphMode, RunnerConfig
+from compile_runtime.core.kv_blocks import BlockPool
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
@@ -135,7 +135,7 @@ def test_tiny_model_takes_only_the_blocks_it_can_use(model_dirs):
         kv_cache_bytes=8 * GiB,  # far more than 4 requests of 64 tokens need
     ) as llm:
         assert llm.runner.num_blocks == most_blocks_needed(4, 64, 16) == 17
-        assert llm.scheduler.block_pool.num_usable == 16
+        assert llm.core.scheduler.block_pool.num_usable == 16
         out = llm.generate([[1, 2, 3]] * 4, GREEDY, use_tqdm=False)
         assert all(len(o.outputs[0].token_ids) == 4 for o in out)
 

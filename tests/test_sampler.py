@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.worker.sampler import (
     Sampler,
     apply_logit_bias,
@@ -23,7 +24,6 @@ from compile_runtime.worker.sampling_metadata import (
     SamplingMetadata,
     make_generator,
 )
-from compile_runtime.core.sampling_params import SamplingParams
 
 INF = float("inf")
 

@@ -12,12 +12,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
+from scheduler_invariants import check_scheduler_invariants
 
-from compile_runtime.core.block_pool import BlockPool
+from compile_runtime.core.kv_blocks import BlockPool
 from compile_runtime.core.request import Request, RequestStatus
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from scheduler_invariants import check_scheduler_invariants
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 EOS = 2

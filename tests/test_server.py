@@ -262,10 +262,10 @@ def test_overload_is_refused_not_queued(chat_model):
 
     async def two() -> list[int]:
         params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        first = engine.submit(llm.make_request([5, 6, 7], params))
+        first = engine.submit(llm.core.make_request([5, 6, 7], params))
         with pytest.raises(EngineOverloadedError, match="max_waiting=1"):
             for _ in range(50):  # the first may get its token between two submits
-                engine.submit(llm.make_request([5, 6, 7], params))
+                engine.submit(llm.core.make_request([5, 6, 7], params))
         return [e.token async for e in engine.events(first) if hasattr(e, "token")]
 
     try:

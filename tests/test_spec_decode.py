@@ -285,7 +285,7 @@ def test_greedy_tokens_identical_with_and_without_drafts(engines, prompts):
     assert [
         o.outputs[0].token_ids for o in spec.generate(batch, params, use_tqdm=False)
     ] == expected
-    check_scheduler_invariants(spec.scheduler)
+    check_scheduler_invariants(spec.core.scheduler)
 
 
 def test_drafts_are_verified_and_counted(engines):
@@ -300,7 +300,7 @@ def test_drafts_are_verified_and_counted(engines):
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
     assert 1 < stats.mean_accepted_length <= 1 + NGRAM["num_speculative_tokens"]
     assert spec.last_stats.steps < plain.last_stats.steps  # accepted drafts save steps
-    assert spec.scheduler.num_preemptions > 0
+    assert spec.core.scheduler.num_preemptions > 0
     # The runner's dispatcher treats 1 + k tokens per request as the uniform decode batch.
     assert spec.runner.dispatcher.uniform_decode_query_len == 4
     assert sum(spec.workload.decode.values()) > 0 and set(spec.workload.decode) <= {

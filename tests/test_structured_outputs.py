@@ -147,7 +147,7 @@ def test_a_bad_constraint_is_an_error_naming_it(llm):
         Constraint(regex="a", choice=["a"])
     with pytest.raises(ValueError, match="choice is empty"):
         Constraint(choice=[])
-    assert llm.scheduler.requests == {}  # nothing was queued
+    assert llm.core.scheduler.requests == {}  # nothing was queued
 
 
 def test_the_bitmask_masks_exactly_the_disallowed_tokens():
@@ -168,7 +168,7 @@ def test_grammars_survive_preemption_and_serve_each_sample(llm):
     want = [o.outputs[0].token_ids for o in llm.chat(prompts, params, use_tqdm=False)]
     with cr.LLM(smollm2_gguf(), dtype="float32", num_gpu_blocks_override=12) as small:
         got = small.chat(prompts, params, use_tqdm=False)
-        assert small.scheduler.num_preemptions > 0  # requests were preempted and resumed
+        assert small.core.scheduler.num_preemptions > 0  # requests were preempted and resumed
         sampled = cr.SamplingParams(
             n=3, temperature=1.0, seed=5, max_tokens=96, structured_outputs=Constraint(json=CITY)
         )

@@ -18,14 +18,21 @@ import logging
 import math
 import mmap
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from compile_runtime.attention.layer import Attention
-
 logger = logging.getLogger(__name__)
+
+
+class Attention(Protocol):
+    """What the cache reads of an attention layer (``layer.py``), and the one field it sets."""
+
+    layer_name: str
+    num_kv_heads: int
+    head_size: int
+    kv_cache: torch.Tensor | None
+
 
 NULL_BLOCK_ID = 0
 PADDING_SLOT = -1

@@ -7,7 +7,7 @@ builder (one ``plan()`` per step for all of them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,8 @@ class AttentionSpec:
     dtype: torch.dtype = torch.float32
     # Scaled logits become ``cap * tanh(logits / cap)`` before masking and softmax (Gemma 2).
     logits_soft_cap: float | None = None
+    # Query heads per KV head (grouped-query attention): decided here, read at every step.
+    num_queries_per_kv: int = field(init=False)
 
     def __post_init__(self) -> None:
         if self.num_heads <= 0 or self.num_kv_heads <= 0 or self.head_size <= 0:
@@ -41,7 +43,4 @@ class AttentionSpec:
             raise ValueError(
                 f"logits_soft_cap must be positive or None, got {self.logits_soft_cap}"
             )
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
+        object.__setattr__(self, "num_queries_per_kv", self.num_heads // self.num_kv_heads)

@@ -7,8 +7,9 @@ In the order a first call goes through them:
   ``trace_at_first_call``, ``set_graph_factory``);
 * ``compiled_forward``: one model's compiled forward: the first call traces or loads
   the saved program, later calls run the result directly;
-* ``program``: the saved program's one owner (may this call use one, load, draft, save);
-  ``saved_program``: what a program is on disk and how it is keyed;
+* ``program``: the saved program's one owner (may this call use one, load, save);
+  ``program_draft``: what a cold start keeps for it; ``saved_program``: what a program is
+  on disk and how it is keyed;
 * ``graph_compiler``: the torch.compile backend: passes, split, pieces in place;
 * ``split``: the split at the splitting ops; ``graph_hash``: a piece's structural hash;
 * ``capture_safety``: what in a piece would break a CUDA graph (host syncs, data-dependent

@@ -20,6 +20,7 @@ import torch.fx.experimental._config as fx_config
 from compile_runtime.cache.location import CacheError
 from compile_runtime.compiler import program
 from compile_runtime.compiler.graph_compiler import GraphCompiler
+from compile_runtime.compiler.program_draft import DraftBuilder
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
@@ -123,7 +124,7 @@ class CompiledForward:
         self.none_pattern = self._record_none_pattern(bound)
         plan = program.program_for_call(self, bound.arguments)
         if plan is not None:
-            self.graph_compiler.program_builder = program.DraftBuilder(self.model_name)
+            self.graph_compiler.program_builder = DraftBuilder(self.model_name)
         for name, dims in self.dims.items():
             value = bound.arguments.get(name)
             if isinstance(value, torch.Tensor):

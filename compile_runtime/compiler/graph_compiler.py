@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx
@@ -28,6 +28,7 @@ from compile_runtime.compiler.capture_safety import warn_at_compile
 from compile_runtime.compiler.graph_hash import piece_hash
 from compile_runtime.compiler.piece_store import CompileResult, PieceCompiler
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
+from compile_runtime.compiler.program_draft import DraftBuilder
 from compile_runtime.compiler.split import (
     Piece,
     check_splitting_ops,
@@ -38,10 +39,8 @@ from compile_runtime.compiler.split import (
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_piece
+from compile_runtime.distributed.parallel_state import rank, world_size
 from compile_runtime.passes.manager import PassManager
-
-if TYPE_CHECKING:
-    from compile_runtime.compiler.program import DraftBuilder
 
 logger = logging.getLogger(__name__)
 
@@ -271,16 +270,6 @@ class GraphCompiler:
             shared = f", reuses piece {r.shared_with}" if r.shared_with is not None else ""
             header.append(f"#   {r.name}: {kind}{shared}")
         return "\n".join(header) + "\n\n" + split_gm.print_readable(print_output=False)
-
-
-def rank() -> int:
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.get_rank() if distributed else 0
-
-
-def world_size() -> int:
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    return torch.distributed.get_world_size() if distributed else 1
 
 
 def _graph_device(fake_args: list[Any]) -> torch.device | None:

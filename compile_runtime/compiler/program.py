@@ -11,29 +11,36 @@ is ``saved_program.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
-from compile_runtime.cache.entry import CacheEntry, open_entry
-from compile_runtime.cache.key import source_digests
+from compile_runtime.cache.entry import open_entry
 from compile_runtime.cache.location import cache_root
 from compile_runtime.compiler import saved_program
-from compile_runtime.compiler.graph_compiler import rank, world_size
+from compile_runtime.compiler.graph_compiler import GraphCompiler
 from compile_runtime.compiler.piece_store import CompileResult, PieceRecord, load_pieces
-from compile_runtime.compiler.piecewise import PiecewiseRuntime
-from compile_runtime.compiler.split import Piece
+from compile_runtime.config import CompilationConfig
 from compile_runtime.counters import compilation_counter
-
-if TYPE_CHECKING:
-    from compile_runtime.compiler.compiled_forward import CompiledForward
+from compile_runtime.distributed.parallel_state import rank, world_size
 
 logger = logging.getLogger(__name__)
+
+
+class CompiledForward(Protocol):
+    """What this module reads of a compiled forward (``compiled_forward.py``)."""
+
+    model: torch.nn.Module
+    model_name: str
+    config: CompilationConfig
+    graph_compiler: GraphCompiler
+    signature: inspect.Signature
+    dims: Any
+    none_pattern: Any
 
 
 def program_for_call(
@@ -133,59 +140,6 @@ def _install(forward: CompiledForward, program: saved_program.SavedProgram) -> b
         compiler.result.seconds,
     )
     return True
-
-
-class DraftBuilder:
-    """What the graph compiler keeps of a cold start for the program: its code (taken before
-    the pieces are replaced), then the piece table once they are compiled."""
-
-    def __init__(self, model_tag: str):
-        self.model_tag = model_tag
-        self.started: tuple[saved_program.ProgramCode, list[str], int] | None = None
-        self.draft: saved_program.ProgramDraft | None = None
-
-    def start(
-        self, gm: torch.fx.GraphModule, split_gm: torch.fx.GraphModule, pieces: list[Piece]
-    ) -> None:
-        try:
-            inputs = saved_program.draft_inputs(gm)
-            (outputs,) = [n.args[0] for n in gm.graph.nodes if n.op == "output"]
-            num_outputs = len(outputs) if isinstance(outputs, (tuple, list)) else 1
-            self.started = saved_program.program_code(split_gm, pieces), inputs, num_outputs
-        except Exception as e:  # noqa: BLE001 - any reason only means: trace at every start
-            logger.info("%s: the trace is not saved as a program (%s)", self.model_tag, e)
-
-    def finish(
-        self,
-        runtimes: dict[str, PiecewiseRuntime],
-        records: list[PieceRecord],
-        cache: CacheEntry,
-        traced_files: list[str],
-    ) -> None:
-        if self.started is None:
-            return
-        code, inputs, num_outputs = self.started
-        table = [
-            {
-                "name": name,
-                "hash": runtime.piece_hash,
-                "locator": list(runtime.locator) if runtime.locator else None,
-                "sizes": [None, *sorted(runtime.exact)],
-            }
-            for name, runtime in runtimes.items()
-        ]
-        self.draft = saved_program.ProgramDraft(
-            code=code,
-            inputs=inputs,
-            num_outputs=num_outputs,
-            pieces=table,
-            records=[dataclasses.asdict(r) for r in records],
-            entry_dir=cache.dir,
-            entry_factors=cache.factors,
-            sources={
-                path: digest for path in traced_files for digest in source_digests([path]).values()
-            },
-        )
 
 
 def save(forward: CompiledForward, key: str, factors: dict[str, Any], out: Any) -> None:

@@ -386,4 +386,4 @@ def make_gather(
         else:
             parts.append(expr)
     fn = eval(f"lambda C, L: [{', '.join(parts)}]", {})  # noqa: S307 - from Dynamo's sources
-    return lambda arguments: fn(constants, arguments)
+    return functools.partial(fn, constants)  # called with the arguments

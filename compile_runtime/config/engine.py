@@ -26,9 +26,10 @@ class ConfigError(ValueError):
 class CheckedConfig(BaseModel):
     """Base of the engine's configs: unknown fields are rejected and every validation error
     becomes one ``ConfigError`` line, ``Class.field=value: what is wrong (what the field is)``,
-    both at construction and on assignment."""
+    at construction. A config is decided once, in the driver, and frozen: every rank gets the
+    same value, and a changed size is a new config (``model_copy(update=...)``)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -37,10 +38,10 @@ class CheckedConfig(BaseModel):
             raise ConfigError(self._one_line_per_field(e)) from None
 
     def __setattr__(self, name: str, value: Any) -> None:
-        try:
-            super().__setattr__(name, value)
-        except ValidationError as e:
-            raise ConfigError(self._one_line_per_field(e)) from None
+        raise ConfigError(
+            f"{type(self).__name__}.{name}={value!r}: the configuration is frozen once built; "
+            f"pass {name} when building it (or model_copy(update={{{name!r}: ...}}))"
+        )
 
     @classmethod
     def _one_line_per_field(cls, error: ValidationError) -> str:

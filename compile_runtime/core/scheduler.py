@@ -47,22 +47,21 @@ import bisect
 import logging
 from collections import deque
 
-from compile_runtime.core.admission import AdmissionLimits
-from compile_runtime.core.block_pool import BlockPool
-from compile_runtime.core.prefix_cache import (
-    PrefixCacheStats,
-    cache_computed_blocks,
-    find_cached_prefix,
+from compile_runtime.core.kv_blocks import BlockPool, cache_computed_blocks, find_cached_prefix
+from compile_runtime.core.request import (
+    AdmissionLimits,
+    Request,
+    RequestStatus,
+    append_until_stop,
+    capped_drafts,
 )
-from compile_runtime.core.request import Request, RequestStatus
 from compile_runtime.core.scheduler_output import (
     ModelRunnerOutput,
     NewRequestData,
     SchedulerOutput,
     check_runner_output,
 )
-from compile_runtime.core.spec_decode_stats import SpecDecodeStats
-from compile_runtime.core.stop_rules import append_until_stop, capped_drafts
+from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.core.structured_output import StructuredOutputManager, check_constraint
 
 logger = logging.getLogger(__name__)
@@ -154,8 +153,8 @@ class Scheduler:
             request.status = RequestStatus.WAITING
             self.requests[request.req_id] = request
             self.waiting.append(request)
-            if self.structured_outputs is not None:
-                self.structured_outputs.start(request)
+            if request.sampling_params.structured_outputs is not None:
+                self.structured_outputs.start(request)  # check_request: a manager exists
 
     def check_request(self, request: Request) -> None:
         """Raise ValueError, naming the request and the fix, for what a step could not run."""
@@ -196,7 +195,7 @@ class Scheduler:
             else:
                 self.waiting.remove(req)
             self._free_blocks(req)
-            if self.structured_outputs is not None:
+            if self.structured_outputs is not None and req_id in self.structured_outputs.requests:
                 self.structured_outputs.free(req_id)
             req.status = status
             self._finished_req_ids.add(req_id)
@@ -234,11 +233,10 @@ class Scheduler:
             i += 1
         preempted_any = self.num_preemptions > preemptions_before
 
-        # Under memory pressure nobody new joins this step. A request whose grammar is still
-        # compiling keeps its place in the queue and is passed over (the running batch and
-        # the requests behind it go on); only with nothing else to run does the last of the
-        # queue wait for its grammar.
-        grammars = self.structured_outputs
+        # Under memory pressure nobody new joins this step. A request whose grammar still
+        # compiles is passed over, keeping its place (the rest go on); only with nothing else
+        # to run does the last of the queue wait for its grammar.
+        grammars = self._active_grammars()
         w = 0  # the queue position looked at
         while (
             not preempted_any
@@ -357,7 +355,7 @@ class Scheduler:
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=False))
         spec = scheduler_output.scheduled_spec_decode_tokens
         check_runner_output(scheduler_output, runner_output, self.requests)  # before any change
-
+        grammars = self._active_grammars()
         finished: list[Request] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             req = self.requests[req_id]
@@ -367,8 +365,8 @@ class Scheduler:
                 self.spec_decode_stats.record(len(drafts), len(tokens) - 1)
             # Tokens after a stop are dropped, from the runner's output too.
             status = append_until_stop(req, tokens, logprobs.get(req_id))
-            if self.structured_outputs is not None and tokens:
-                grammar = self.structured_outputs.accept(req_id, tokens)  # ended, or broken
+            if grammars is not None and tokens:
+                grammar = grammars.accept(req_id, tokens)  # ended, or broken
                 if grammar is RequestStatus.FINISHED_ABORTED or status is None:
                     status = grammar or status
             # Rejected drafts' KV is not computed: those slots are written again later.
@@ -387,8 +385,13 @@ class Scheduler:
                 )
         return finished
 
+    def _active_grammars(self) -> StructuredOutputManager | None:
+        """The grammars' manager while a constrained request is queued or running, else None."""
+        grammars = self.structured_outputs
+        return grammars if grammars is not None and grammars.requests else None
+
     def _finish(self, req: Request, status: RequestStatus) -> None:
-        if self.structured_outputs is not None:
+        if self.structured_outputs is not None and req.req_id in self.structured_outputs.requests:
             self.structured_outputs.free(req.req_id)
         req.status = status
         self.running.remove(req)

@@ -74,6 +74,8 @@ class StructuredOutputManager:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._compiling: dict[str, Future] = {}
         self._matchers: dict[str, Any] = {}
+        # Constrained requests, compiling or compiled: the scheduler asks only about these.
+        self.requests: set[str] = set()
 
     @property
     def words(self) -> int:
@@ -104,6 +106,7 @@ class StructuredOutputManager:
         """Compile the request's constraint in the worker thread (cached by constraint)."""
         params = request.sampling_params.structured_outputs
         if params is not None and request.req_id not in self._matchers:
+            self.requests.add(request.req_id)
             self._compiling[request.req_id] = self._pool.submit(self._compile, params)
 
     def ready(self, request: Request, wait: bool = False) -> bool:
@@ -169,6 +172,7 @@ class StructuredOutputManager:
         return RequestStatus.FINISHED_STOPPED if matcher.is_terminated() else None
 
     def free(self, req_id: str) -> None:
+        self.requests.discard(req_id)
         self._matchers.pop(req_id, None)
         future = self._compiling.pop(req_id, None)
         if future is not None:

@@ -76,6 +76,7 @@ class CudagraphDispatcher:
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.mode = NONE
+        self._mixed_mode = self._decode_mode = NONE  # the mode's two halves, read every step
         self.uniform_decode_query_len = 1
         self.keys: dict[CUDAGraphMode, list[BatchDescriptor]] = {PIECEWISE: [], FULL: []}
         self.keys_initialized = False
@@ -98,6 +99,7 @@ class CudagraphDispatcher:
         self.mode = resolved_mode
         self.uniform_decode_query_len = q = uniform_decode_query_len
         mixed, decode = resolved_mode.mixed_mode(), resolved_mode.decode_mode()
+        self._mixed_mode, self._decode_mode = mixed, decode
 
         mixed_sizes = self.capture_sizes if mixed != NONE else []
         decode_sizes: list[int] = []
@@ -165,7 +167,7 @@ class CudagraphDispatcher:
         exact count. ``invalid_modes`` rules modes out for this batch.
         """
         if uniform_decode and num_tokens < len(self._decode_pad) and num_tokens > 0:
-            mode = self.mode.decode_mode()
+            mode = self._decode_mode
             if mode not in invalid_modes:
                 if num_tokens % self.uniform_decode_query_len:
                     raise ValueError(
@@ -174,7 +176,7 @@ class CudagraphDispatcher:
                     )
                 return mode, self._decode_desc[self._decode_pad[num_tokens]]
         if 0 < num_tokens < len(self._mixed_pad):
-            mode = self.mode.mixed_mode()
+            mode = self._mixed_mode
             if mode not in invalid_modes:
                 return mode, self._mixed_desc[self._mixed_pad[num_tokens]]
         return NONE, BatchDescriptor(num_tokens)

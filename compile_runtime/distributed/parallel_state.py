@@ -95,3 +95,15 @@ def get_tp_group_name() -> str:
     if _state is None:
         raise RuntimeError("no tensor-parallel group: call init_distributed() first")
     return _state.group_name
+
+
+def rank() -> int:
+    """This process's rank in the default group (0 outside torch.distributed)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    return dist.get_rank() if distributed else 0
+
+
+def world_size() -> int:
+    """Processes in the default group (1 outside torch.distributed)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    return dist.get_world_size() if distributed else 1

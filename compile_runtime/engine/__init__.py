@@ -1,11 +1,12 @@
-"""The engine: ``cr.LLM`` runs the scheduler loop in the driver process and reaches the model
-runner on every rank through an executor.
+"""The engine: the front end ``cr.LLM`` and the engine core it steps in the driver process,
+which reaches the worker on every rank through an executor.
 
 * ``llm``: ``cr.LLM`` (``generate``, ``chat``), shaped as vLLM's offline API;
-* ``offline_call``: one call's requests stepped until done, and each sample's output;
+* ``engine_config``: the engine's configuration, decided once and frozen;
+* ``core``: ``EngineCore``, the scheduler's one owner: requests in, one step (schedule, run,
+  advance) at a time; ``async_engine``: the online loop the server runs around it;
+* ``offline_call``: one ``generate`` call's requests stepped until done, and their outputs;
 * ``outputs``: ``RequestOutput`` / ``CompletionOutput`` (vLLM's shapes) and the call's stats;
 * ``incremental_text``: a request's text as tokens arrive, and its stop strings;
-* ``chat``: a conversation through the chat template, as prompt ids;
-* ``core``: ``EngineCore``, one step (schedule, run, advance); ``async_engine``: the online
-  loop the server runs (requests join and leave while it steps).
+* ``chat``: a conversation through the chat template, as prompt ids.
 """

@@ -22,8 +22,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from compile_runtime.engine.core import EngineCore, StepError, StepOutput
 from compile_runtime.core.request import Request
+from compile_runtime.engine.core import EngineCore, StepFailedError, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +198,7 @@ class AsyncEngine:
                     continue
                 try:
                     out = self.core.step()
-                except StepError as e:
+                except StepFailedError as e:
                     logger.error("%s", e)
                     for req_id in e.failed_req_ids:
                         stream = self.streams.pop(req_id, None)

@@ -1,30 +1,43 @@
-"""The engine's step loop body, shared by offline ``LLM.generate`` and the online server.
+"""The engine core: the one owner of the scheduler, shared by offline ``LLM`` and the server.
 
-``EngineCore`` owns the scheduler and the executor and knows nothing of who
-waits for the tokens: ``step()`` schedules, runs the model on every rank,
-advances the scheduler and returns what each request got this step. Requests
-are added and aborted between steps (an abort frees the request's KV blocks at
-once; the runner drops its state at the next step).
+It knows nothing of who waits for the tokens: ``step()`` schedules, runs the model on every
+rank through the executor, advances the scheduler and returns what each request got.
+Requests are made, checked, added and aborted here, between steps (an abort frees the
+request's KV blocks at once; the worker drops its state at the next step).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
-from compile_runtime.executor import Executor, ExecutorError
-from compile_runtime.core.request import Request, RequestStatus
+from compile_runtime.config import EngineConfig
+from compile_runtime.core.request import Request, RequestStatus, ended_by_stop_token
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from compile_runtime.core.stop_rules import ended_by_stop_token
+from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
+from compile_runtime.core.structured_output import StructuredOutputManager
+from compile_runtime.executor import Executor, ExecutorError
 
 
-class StepError(RuntimeError):
-    """A step raised; the requests it ran were aborted (blocks freed), the others go on."""
+class StepFailedError(RuntimeError):
+    """A step raised: the requests it ran (``failed_req_ids``) were aborted, their blocks freed,
+    and the engine goes on. An offline call aborts the rest of its requests too and names them
+    (``aborted_req_ids``)."""
 
-    def __init__(self, message: str, failed_req_ids: list[str], cause: BaseException):
+    def __init__(
+        self,
+        message: str,
+        failed_req_ids: list[str],
+        cause: BaseException,
+        aborted_req_ids: list[str] | None = None,
+    ):
         super().__init__(message)
         self.failed_req_ids = failed_req_ids
         self.cause = cause
+        self.aborted_req_ids = aborted_req_ids if aborted_req_ids is not None else failed_req_ids
 
 
 @dataclass
@@ -48,9 +61,42 @@ class StepOutput:
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, executor: Executor):
-        self.scheduler = scheduler
+    def __init__(
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        tokenizer: Any,
+        vocab_size: int | None,
+        eos_token_ids: list[int],
+    ):
+        sizes = config.runner_config
+        grammars = (
+            StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)
+            if tokenizer is not None and vocab_size
+            else None
+        )
         self.executor = executor
+        self.eos_token_ids = eos_token_ids
+        self.scheduler = Scheduler(
+            num_blocks=executor.num_blocks,
+            block_size=sizes.block_size,
+            max_num_seqs=sizes.max_num_seqs,
+            max_num_batched_tokens=sizes.max_num_batched_tokens,
+            max_model_len=sizes.max_model_len,
+            vocab_size=vocab_size,
+            enable_prefix_caching=sizes.enable_prefix_caching,
+            structured_outputs=grammars,
+        )
+        self._ids = itertools.count()
+
+    def make_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        """A request with a fresh id and this model's EOS ids, not yet checked or queued."""
+        return Request(
+            req_id=str(next(self._ids)),
+            prompt_token_ids=prompt_token_ids,
+            sampling_params=params,
+            eos_token_ids=self.eos_token_ids,
+        )
 
     def check(self, request: Request) -> None:
         """ValueError naming what is wrong with ``request`` (nothing is queued)."""
@@ -62,6 +108,10 @@ class EngineCore:
     def abort(self, req_ids: list[str]) -> list[Request]:
         """Drop unfinished requests now: their blocks are free before this returns."""
         return self.scheduler.abort_requests(req_ids)
+
+    def abort_all(self) -> list[str]:
+        """Drop every unfinished request; their ids."""
+        return [r.req_id for r in self.scheduler.abort_requests(list(self.scheduler.requests))]
 
     def stop(self, stops: dict[str, str]) -> list[Request]:
         """End requests whose text reached a stop string (``req_id -> the string``): finished
@@ -79,10 +129,19 @@ class EngineCore:
         pool = self.scheduler.block_pool
         return pool.num_usable - pool.num_free
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens looked up in the prefix cache since start-up, and found there."""
+        return self.scheduler.prefix_cache_stats
+
+    @property
+    def spec_decode_stats(self) -> SpecDecodeStats:
+        return self.scheduler.spec_decode_stats
+
     def step(self) -> StepOutput:
         """One scheduler step through the model. A failing step aborts the requests it ran and
-        raises ``StepError``; ``ExecutorError`` (the workers are gone) and interrupts pass
-        through (an interrupt after aborting the step's requests)."""
+        raises ``StepFailedError``; ``ExecutorError`` (the workers are gone) and interrupts
+        pass through (an interrupt after aborting the step's requests)."""
         start = time.perf_counter()
         so = None
         try:
@@ -97,7 +156,7 @@ class EngineCore:
             self.scheduler.abort_requests(failed, so)
             if not isinstance(e, Exception):  # the caller interrupted: theirs to handle
                 raise
-            raise StepError(
+            raise StepFailedError(
                 f"step failed on request(s) {', '.join(failed) or '(none: scheduling)'}: "
                 f"{type(e).__name__}: {e}",
                 failed,

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from compile_runtime.core.prefix_cache import PrefixCacheStats
-from compile_runtime.core.spec_decode_stats import SpecDecodeStats
+from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 
 
 @dataclass

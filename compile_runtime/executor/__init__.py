@@ -1,28 +1,24 @@
 """Executors: how the engine reaches the model runner on every rank.
 
 ``base.py`` is the interface; this file is the factory: ``make_executor`` checks the
-configuration once, before any worker starts, chooses the CPU thread count every rank
-uses (worker/cpu_threads.py), then starts the executor the backend names:
-``uniproc`` (the runner in this process), ``multiproc`` (one worker process per rank on this
-machine) or ``ray_executor`` (workers as Ray actors).
+engine's (frozen, already decided) configuration once, before any worker starts, then starts
+the executor the backend names: ``uniproc`` (the runner in this process), ``multiproc`` (one
+worker process per rank on this machine) or ``ray_executor`` (workers as Ray actors).
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
 from compile_runtime.config import ConfigError, EngineConfig
-from compile_runtime.device import default_device
 from compile_runtime.distributed.sharding import TensorParallelConfigError, check_tensor_parallel
 from compile_runtime.executor.base import Executor, ExecutorError, WorkerDiedError, WorkerInfo
 from compile_runtime.executor.multiproc import MultiprocExecutor
 from compile_runtime.executor.ray_executor import RayExecutor, import_ray
 from compile_runtime.executor.uniproc import UniProcExecutor
 from compile_runtime.models.llama import ARCHITECTURES
-from compile_runtime.worker.cpu_threads import choose_num_threads
 
 BACKENDS = ("uni", "mp", "ray")
 
@@ -44,10 +40,6 @@ def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Execu
         return MultiprocExecutor
     import_ray()  # fails here, naming what to install, when ray is missing
     return RayExecutor
-
-
-# Variables that steer compilation and the cache: workers see what the driver sees.
-FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
 
 
 def check_model(config: EngineConfig, hf_config: Any) -> None:
@@ -79,13 +71,6 @@ def make_executor(config: EngineConfig, hf_config: Any, backend: str | None = No
     if cls.local_ranks:
         check_device_available(config)
     check_model(config, hf_config)
-    choose_num_threads(
-        config.runner_config, config.device or default_device(), config.tensor_parallel_size
-    )
-    if not config.worker_env:
-        config.worker_env = {
-            k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)
-        }
     return cls(config, hf_config)
 
 

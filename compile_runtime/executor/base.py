@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from compile_runtime.config import EngineConfig
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
-
-if TYPE_CHECKING:
-    from compile_runtime.worker.model_runner import ModelRunner
-    from compile_runtime.worker.startup import StartupTimes
+from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.worker.startup import StartupTimes
+from compile_runtime.worker.worker import WorkerInfo
 
 
 class ExecutorError(RuntimeError):
@@ -35,18 +33,6 @@ class WorkerDiedError(ExecutorError):
         super().__init__(f"rank {rank} died: {cause}")
         self.rank = rank
         self.cause = cause
-
-
-@dataclass
-class WorkerInfo:
-    """What a worker reports once started."""
-
-    rank: int
-    pid: int
-    hostname: str
-    num_blocks: int
-    startup: StartupTimes
-    counters: dict[str, int]  # compilation_counter changes during start-up
 
 
 class Executor(abc.ABC):

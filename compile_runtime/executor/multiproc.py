@@ -29,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from compile_runtime.config import EngineConfig
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
 from compile_runtime.executor.base import (
     Executor,
@@ -36,7 +37,6 @@ from compile_runtime.executor.base import (
     WorkerDiedError,
 )
 from compile_runtime.worker.worker import worker_main
-from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

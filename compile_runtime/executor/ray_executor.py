@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from compile_runtime.config import EngineConfig
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.device import default_device
 from compile_runtime.distributed.parallel_state import LOOPBACK, free_port
 from compile_runtime.executor.base import (
@@ -29,7 +30,6 @@ from compile_runtime.executor.base import (
     WorkerDiedError,
 )
 from compile_runtime.worker.worker import Worker, error_summary
-from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

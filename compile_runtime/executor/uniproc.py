@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from compile_runtime.config import EngineConfig
-from compile_runtime.executor.base import Executor, ExecutorError
-from compile_runtime.worker.worker import Worker
-from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from compile_runtime.executor.base import Executor, ExecutorError
+from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import time
 
+from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from compile_runtime.engine.llm import LLM
-from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice
@@ -61,7 +61,7 @@ class Server:
         for p in prompts:
             check_length(len(p), params[0].max_tokens, self.max_model_len, *fields)
         engine = self.engine
-        requests = [self.llm.make_request(p, sp) for p in prompts for sp in params]
+        requests = [self.llm.core.make_request(p, sp) for p in prompts for sp in params]
         for r in requests:
             try:
                 self.llm.core.check(r)

@@ -11,9 +11,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily
 
+from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
-from compile_runtime.core.scheduler import Scheduler
 
 PREFIX = "compile_runtime"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)

@@ -12,7 +12,7 @@ and splits the rest between tensor-parallel ranks.
 ``LLM(num_threads=N)`` or ``OMP_NUM_THREADS`` overrides it. This file is the
 one owner of the count: ``choose_num_threads`` decides it once per engine, in
 the driver before any worker starts (starting workers would count each other
-as busy cores), into ``RunnerConfig.num_threads``, so every rank gets the same;
+as busy cores), into the frozen config's ``num_threads``, so every rank gets the same;
 ``set_num_threads`` sets it in each process that runs a runner, before the
 first compile (a runner built directly, with no count chosen, decides it there).
 """
@@ -92,14 +92,19 @@ def resolve_num_threads(requested: int | None, tp_size: int = 1) -> int:
     return requested
 
 
-def choose_num_threads(config: RunnerConfig, device: torch.device | str, tp_size: int) -> None:
-    """Fill ``config.num_threads`` for a CPU engine, in place (an explicit count is checked)."""
-    if torch.device(device).type == "cpu":
-        config.num_threads = resolve_num_threads(config.num_threads, tp_size)
+def choose_num_threads(
+    config: RunnerConfig, device: torch.device | str, tp_size: int
+) -> RunnerConfig:
+    """``config`` with ``num_threads`` decided for a CPU engine (an explicit count is checked)."""
+    if torch.device(device).type != "cpu":
+        return config
+    chosen = resolve_num_threads(config.num_threads, tp_size)
+    if chosen == config.num_threads:
+        return config
+    return config.model_copy(update={"num_threads": chosen})
 
 
 def set_num_threads(config: RunnerConfig, device: torch.device, tp_size: int) -> None:
     """Set this process's count to the engine's, on a CPU (choosing it if none was chosen)."""
     if device.type == "cpu":
-        choose_num_threads(config, device, tp_size)
-        torch.set_num_threads(config.num_threads)
+        torch.set_num_threads(resolve_num_threads(config.num_threads, tp_size))

@@ -31,7 +31,8 @@ if TYPE_CHECKING:
 class CudaGraphPlan:
     modes: ResolvedModes
     dispatcher: CudagraphDispatcher  # holds the keys and padding tables of ``modes``
-    forward_model: Callable[..., Any]  # what steps and captures call: FULL-wrapped or bare
+    forward_model: Callable[..., Any]  # what FULL steps and captures call: FULL-wrapped or bare
+    bare_model: Callable[..., Any]  # what the other steps call (the FULL wrapper would pass)
 
     @property
     def cudagraph_mode(self) -> CUDAGraphMode:
@@ -59,7 +60,7 @@ def plan_cudagraphs(
         cpu_graphs=device.type == "cpu" and graph_factory is not None,
     )
     dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len)
-    forward_model = model.model
+    forward_model = bare_model = model.model
     if modes.cudagraph_mode.has_full_cudagraphs():
-        forward_model = wrap_full_model(forward_model, config, graph_factory=graph_factory)
-    return CudaGraphPlan(modes=modes, dispatcher=dispatcher, forward_model=forward_model)
+        forward_model = wrap_full_model(bare_model, config, graph_factory=graph_factory)
+    return CudaGraphPlan(modes, dispatcher, forward_model, bare_model)

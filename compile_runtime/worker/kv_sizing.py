@@ -96,47 +96,62 @@ def size_runner_config(
     device: torch.device | str,
     tp_size: int = 1,
 ) -> RunnerConfig:
-    """Fill the sizes left to the engine (None), in place, and say why in the log.
+    """``config`` with the sizes left to the engine (None) decided, saying why in the log.
 
     Run once by the driver before any worker starts, so every rank gets the same sizes; a
-    runner built directly calls it again and finds nothing left to fill.
+    runner built directly runs it again and finds nothing left to decide.
     """
     on_cpu = torch.device(device).type == "cpu"
-    if on_cpu and config.kv_cache_bytes is None:
+    kv_cache_bytes = config.kv_cache_bytes
+    if on_cpu and kv_cache_bytes is None:
         available = available_memory()
-        config.kv_cache_bytes = max(int(available * config.kv_cache_memory_fraction) // tp_size, 1)
+        kv_cache_bytes = max(int(available * config.kv_cache_memory_fraction) // tp_size, 1)
         logger.info(
             "KV cache budget %.2f GiB per rank: kv_cache_memory_fraction=%.2f of %.1f GiB "
             "available RAM (set kv_cache_bytes / --kv-cache-bytes to choose)",
-            config.kv_cache_bytes / 2**30,
+            kv_cache_bytes / 2**30,
             config.kv_cache_memory_fraction,
             available / 2**30,
         )
-    if config.max_model_len is not None:
+    max_model_len = config.max_model_len
+    if max_model_len is None:
+        max_model_len = _max_model_len(config, kv_cache_bytes, hf_config, dtype, on_cpu, tp_size)
+    if (kv_cache_bytes, max_model_len) == (config.kv_cache_bytes, config.max_model_len):
         return config
+    return config.model_copy(
+        update={"kv_cache_bytes": kv_cache_bytes, "max_model_len": max_model_len}
+    )
+
+
+def _max_model_len(
+    config: RunnerConfig,
+    kv_cache_bytes: int | None,
+    hf_config: Any,
+    dtype: torch.dtype,
+    on_cpu: bool,
+    tp_size: int,
+) -> int:
+    """The model's positions, or on a CPU what the KV cache budget holds when that is less."""
     positions = getattr(hf_config, "max_position_embeddings", None) or 2048
     if not on_cpu:  # the budget is known only after the weights load; the runner checks it
-        config.max_model_len = positions
         logger.info("max_model_len=%d: the model's max_position_embeddings", positions)
-        return config
+        return positions
     per_block = kv_bytes_per_token(hf_config, dtype, tp_size) * config.block_size
-    tokens = (config.kv_cache_bytes // per_block - 1) * config.block_size  # less the null block
+    tokens = (kv_cache_bytes // per_block - 1) * config.block_size  # less the null block
     if tokens >= positions:
-        config.max_model_len = positions
         logger.info("max_model_len=%d: the model's max_position_embeddings", positions)
-    elif tokens >= config.block_size:
-        config.max_model_len = tokens
+        return positions
+    if tokens >= config.block_size:
         logger.warning(
             "max_model_len=%d, below the model's %d positions: that is all a KV cache of "
             "%.2f GiB holds; raise kv_cache_bytes (--kv-cache-bytes) for longer requests",
             tokens,
             positions,
-            config.kv_cache_bytes / 2**30,
+            kv_cache_bytes / 2**30,
         )
-    else:
-        raise ConfigError(
-            f"a KV cache of {config.kv_cache_bytes} bytes holds no full block of "
-            f"{config.block_size} tokens of this model ({per_block} bytes a block); raise "
-            "kv_cache_bytes (--kv-cache-bytes) or kv_cache_memory_fraction"
-        )
-    return config
+        return tokens
+    raise ConfigError(
+        f"a KV cache of {kv_cache_bytes} bytes holds no full block of "
+        f"{config.block_size} tokens of this model ({per_block} bytes a block); raise "
+        "kv_cache_bytes (--kv-cache-bytes) or kv_cache_memory_fraction"
+    )

@@ -3,10 +3,10 @@
 ``execute_model`` applies the scheduler's differences to the persistent batch,
 lays the step's tokens out flat in persistent buffers (step_inputs.py), asks the
 dispatcher for the runtime mode and padded size, builds attention metadata once
-(attention_groups.py) and runs the forward inside a forward context, then
-computes the logits the step needs in one call. ``sample_tokens`` then samples
-(or verifies drafts) and, with speculative decoding, proposes the next drafts
-(sampling_step.py). The state between the two calls lives in one
+(attention/groups.py), runs the forward inside a forward context, then computes the
+logits the step needs in one call. ``sample_tokens`` samples (or verifies drafts) and,
+with speculative decoding, proposes the next drafts (sampling_step.py). The state
+between the two calls lives in one
 ``ExecuteModelState``. Start-up is ``__init__`` (threads, weights, buffers) then
 ``initialize``: the first forward, the CUDA graph plan (cudagraph_plan.py), the KV
 cache (startup.py), the capture.
@@ -28,9 +28,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from compile_runtime.attention.groups import build_metadata, metadata_groups
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.compiler.decorator import backend_seconds, set_graph_factory
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
 from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, records_cpu_graphs
@@ -47,7 +49,6 @@ from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.capture_sizes import cpu_capture_config
 from compile_runtime.planner.workload import Workload
-from compile_runtime.attention.groups import build_metadata, metadata_groups
 from compile_runtime.worker.cpu_threads import set_num_threads
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
@@ -56,7 +57,6 @@ from compile_runtime.worker.kv_sizing import size_runner_config
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.sampler import Sampler
 from compile_runtime.worker.sampling_step import broadcast_tokens, prompt_logprobs, sample
-from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.worker.startup import (
     ModelRunnerError,
     StartupTimes,
@@ -130,19 +130,17 @@ class ModelRunner:
         if self.device.type == "cpu" and records_cpu_graphs(compilation_config):
             self.graph_factory = CPU_GRAPHS
             set_graph_factory(self.model, CPU_GRAPHS)
-        # The engine sized these already; a runner built directly fills them here.
-        size_runner_config(self.config, self.model.config, dtype, self.device, self.tp_size)
+        # The engine decided these already; a runner built directly decides them here.
+        self.config = size_runner_config(
+            self.config, self.model.config, dtype, self.device, self.tp_size
+        )
         self.layers = attention_layers(self.model)
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
         c = self.config
         spec = c.speculative_config
-        self.proposer = (
-            NgramProposer(
-                spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-            )
-            if spec is not None
-            else None
+        self.proposer = spec and NgramProposer(
+            spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
         # A decode step runs 1 + k tokens per request when every request has k drafts: that
         # is the uniform decode batch the decode mode's graphs are captured for.
@@ -304,7 +302,7 @@ class ModelRunner:
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
         uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
-        self.workload.record(total, uniform_decode)
+        (self.workload.decode if uniform_decode else self.workload.mixed)[total] += 1
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
         unreplayed = None
@@ -327,7 +325,9 @@ class ModelRunner:
         with set_forward_context(
             metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
         ):
-            hidden = self.cudagraph_plan.forward_model(*self.buffers.forward_args(padded))
+            plan = self.cudagraph_plan
+            forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
+            hidden = forward(*self.buffers.forward_args(padded))
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.

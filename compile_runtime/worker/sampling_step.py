@@ -27,7 +27,7 @@ def sample(
 
     Without drafts one token each; with drafts the rejection sampler verifies them.
     """
-    plain = all(s.sampling_params.plain_argmax for s in states)
+    plain = all(s.plain_argmax for s in states)
     if drafts is None and plain:
         # Nothing changes the logits: skip building the batch's sampling tensors.
         return [[t] for t in greedy_tokens(logits).tolist()], [None] * len(states)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from compile_runtime.attention.groups import MetadataGroups, build_metadata
 from compile_runtime.attention.kv_cache import (
     PADDING_SLOT,
     allocate_kv_cache,
@@ -37,7 +38,6 @@ from compile_runtime.attention.kv_cache import (
 )
 from compile_runtime.compiler.decorator import load_saved_program
 from compile_runtime.config import RunnerConfig
-from compile_runtime.attention.groups import MetadataGroups, build_metadata
 from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     blocks_per_request,

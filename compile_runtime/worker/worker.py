@@ -23,6 +23,7 @@ import socket
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,8 +33,8 @@ from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOu
 from compile_runtime.counters import compilation_counter
 from compile_runtime.device import default_device
 from compile_runtime.distributed import default_backend, init_distributed
-from compile_runtime.executor.base import WorkerInfo
 from compile_runtime.worker.model_runner import ModelRunner
+from compile_runtime.worker.startup import StartupTimes
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +42,18 @@ logger = logging.getLogger(__name__)
 def counter_snapshot() -> dict[str, int]:
     """This process's compilation counters (a worker reports what its start-up did)."""
     return dataclasses.asdict(compilation_counter)
+
+
+@dataclass
+class WorkerInfo:
+    """What a worker reports once started."""
+
+    rank: int
+    pid: int
+    hostname: str
+    num_blocks: int
+    startup: StartupTimes
+    counters: dict[str, int]  # compilation_counter changes during start-up
 
 
 class Worker:

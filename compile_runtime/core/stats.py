@@ -1,4 +1,5 @@
-"""How well speculative decoding's drafts fare: proposed, accepted, per verifying step."""
+"""What the engine core counts: prompt tokens found in the prefix cache, and how well
+speculative decoding's drafts fare (proposed, accepted, per verifying step)."""
 
 from __future__ import annotations
 
@@ -32,3 +33,18 @@ class SpecDecodeStats:
             self.num_draft_tokens - earlier.num_draft_tokens,
             self.num_accepted_tokens - earlier.num_accepted_tokens,
         )
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache when requests were admitted, and found."""
+
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+    def since(self, earlier: PrefixCacheStats) -> PrefixCacheStats:
+        return PrefixCacheStats(self.queries - earlier.queries, self.hits - earlier.hits)
