@@ -73,7 +73,6 @@ class Worker:
         self.init_method = init_method
         self.local_rank = rank if local_rank is None else local_rank
         self.runner = None
-        self.steps = 0
 
     def device(self) -> str:
         """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
@@ -118,19 +117,12 @@ class Worker:
 
     def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         """Apply one scheduler step and sample; only rank 0 returns the tokens."""
-        self.steps += 1
         self.runner.execute_model(scheduler_output)
         output = self.runner.sample_tokens()
         return output if self.rank == 0 else None
 
     def workload(self):
         return self.runner.workload
-
-    def counters(self) -> dict[str, int]:
-        return counter_snapshot()
-
-    def info(self) -> dict[str, Any]:
-        return {"rank": self.rank, "pid": os.getpid(), "steps": self.steps}
 
     def shutdown(self) -> None:
         """Release the runner's KV cache and graphs, then leave the process group."""
