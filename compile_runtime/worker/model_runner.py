@@ -302,7 +302,7 @@ class ModelRunner:
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
         uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
-        (self.workload.decode if uniform_decode else self.workload.mixed)[total] += 1
+        self.workload.record(total, uniform_decode)
 
         mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
         unreplayed = None
