@@ -19,7 +19,8 @@ from compile_runtime.engine.llm import LLM
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = tuple(str(REPO / folder) + "/" for folder in ("compile_runtime", "backends", "passes"))
-# Files a batch-1 generate() enters: 44 before issue 42's redesign, 38-39 after (a saved program adds program.py; goal: 20).
+# Files a batch-1 generate() enters: 44 before issue 42's redesign, 38 after it, 39 when the
+# saved program is loaded (program.py); the issue's goal is 20.
 MAX_FILES = 39
 
 
