@@ -150,6 +150,9 @@ class RunnerConfig(CheckedConfig):
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs at every row
     # count, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
     cpu_pack_weights: bool = True
+    # CPU: each float linear weight shape runs the kernel measured fastest on this CPU per
+    # row count (measured at the first start, cached; compile_runtime/ops/kernel_tuning.py).
+    cpu_tune_kernels: bool = True
     # Weights kept quantized (CPU, native models; compile_runtime/ops/cpu_quant_*.py).
     quantization: Literal["auto", "gguf", "none", "int8"] = Field(
         "auto",

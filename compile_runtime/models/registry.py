@@ -24,6 +24,7 @@ from compile_runtime.models.llama import ARCHITECTURES, CausalLM
 from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
+from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
 
 logger = logging.getLogger(__name__)
@@ -127,6 +128,7 @@ def load_model(
     device: torch.device | str = "cpu",
     use_transformers: bool = False,
     cpu_pack_weights: bool = True,
+    cpu_tune_kernels: bool = False,
     hf_config: Any = None,
     quantization: str = "auto",
 ) -> nn.Module:
@@ -139,7 +141,8 @@ def load_model(
     raises ``NativeUnsupported``; one warning says why). On a CPU the linear
     weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
     changes the traced graph, so everything that traces a model for the cache
-    key loads it here). ``hf_config``: the config already read (None: read it here).
+    key loads it here), and with ``cpu_tune_kernels`` each float weight shape gets the
+    kernel measured fastest on this CPU per row count (``ops/kernel_tuning.py``). ``hf_config``: the config already read (None: read it here).
     ``quantization``: see ``resolve_quantization``.
     """
     if hf_config is None:
@@ -181,6 +184,8 @@ def load_model(
             model = TransformersCausalLM(model_dir, hf_config, dtype)
     if device.type == "cpu" and cpu_pack_weights:
         pack_linear_weights(model)
+        if tuning_enabled(cpu_tune_kernels):
+            tune_linear_kernels(model)
     logger.info(
         "loaded %s (%s, %s) from %s",
         type(model).__name__,

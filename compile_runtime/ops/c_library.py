@@ -101,6 +101,18 @@ def _inputs(name: str, folder: str) -> dict[str, bytes]:
     return inputs
 
 
+def _sources_digest(inputs: dict[str, bytes]) -> str:
+    digest = hashlib.sha256()
+    for file in sorted(inputs):
+        digest.update(file.encode() + b"\0" + inputs[file] + b"\0")
+    return digest.hexdigest()
+
+
+def source_digest(name: str, folder: str = CSRC) -> str:
+    """A digest of library ``name``'s sources (what a change of its kernels changes)."""
+    return _sources_digest(_inputs(name, folder))
+
+
 def _build(compiler: str, name: str, inputs: dict[str, bytes], path: str) -> None:
     """Compile ``inputs`` (the very bytes the digest covers) into ``path`` atomically: in a
     temp folder next to it, then renamed."""
@@ -130,9 +142,7 @@ def load_c_library(name: str, what: str, folder: str = CSRC) -> CLibrary | None:
     if compiler is None:
         logger.warning("no C compiler (cc/gcc, or $CC): %s uses torch ops", what)
         return None
-    digest = hashlib.sha256()
-    for file in sorted(inputs):
-        digest.update(file.encode() + b"\0" + inputs[file] + b"\0")
+    digest = hashlib.sha256(_sources_digest(inputs).encode())
     digest.update("\0".join([" ".join(FLAGS), compiler, cpu_identity()]).encode())
     path = os.path.join(cache_root(), ".cpu_kernels", f"{name}_{digest.hexdigest()[:24]}.so")
     try:

@@ -8,7 +8,8 @@ ahead, multiplies them by up to four rows of x at a time with AVX512-BF16 dot
 products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
 16 partial sums of a tile together, faster than all three on SmolLM2-135M's weights
 (the README's "On a CPU"). With more rows the weight is reused and the GEMV becomes
-bound by its arithmetic: ``MAX_ROWS`` is where oneDNN is faster again. The C is
+bound by its arithmetic: past some row count oneDNN is faster again (where, the machine
+decides: ``linear_kernels.py``). The C is
 ``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
 Zen 3) runs both tiles with 8-float vectors (bf16 widened by a shift: half the bytes of
 float32 to read); without AVX2, or without a C compiler, every dtype keeps the oneDNN path.
@@ -24,7 +25,8 @@ import torch
 from compile_runtime.ops.native_function import NativeFunction
 
 
-# Rows up to which the GEMV beats oneDNN's packed GEMM (all of SmolLM2's weights, 2 cores):
+# The built-in choice (linear_kernels.py; a tuned weight has its own, measured): rows up to
+# which the GEMV beat oneDNN's packed GEMM on an AMX Xeon (all of SmolLM2's weights, 2 cores):
 # in bf16 oneDNN's time is flat to 16 rows while the GEMV turns compute-bound past 4; in
 # float32 the GEMV leads to 16 rows and is even at 32 (README, "On a CPU").
 # Without oneDNN's bf16 (no AVX512-BF16 or AMX: AMD Zen 3) the other bf16 path is torch's
@@ -35,7 +37,6 @@ def _most_bf16_rows() -> int:
 
 
 MAX_ROWS = {torch.bfloat16: _most_bf16_rows(), torch.float32: 16}
-MOST_ROWS = max(MAX_ROWS.values())
 
 
 @functools.cache
@@ -61,13 +62,13 @@ def gemv_dtypes() -> frozenset[torch.dtype]:
 def gemv_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor | None:
-    """``F.linear(x, weight, bias)`` for ``x`` of a few rows (``MAX_ROWS``), by the GEMV;
-    None when the kernel does not take these tensors (the caller runs its own path)."""
+    """``F.linear(x, weight, bias)`` by the GEMV (any row count; fast for a few); None when
+    the kernel does not take these tensors (the caller runs its own path)."""
     kernel = _kernels().get(weight.dtype)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (
         kernel is None
-        or not 0 < rows <= MAX_ROWS[weight.dtype]
+        or rows == 0
         or x.dtype != weight.dtype
         or x.stride(-1) != 1
         or not weight.is_contiguous()

@@ -13,10 +13,10 @@ a reload, ``repack_linear_weights``) and the result recorded in ``packed_weights
 graph sees the ordinary weight, and ``torch.ops.compile_runtime.cpu_linear`` (opaque to
 Dynamo and Inductor) finds the record at run time (that file says why not on the layer). A
 weight without a current record (changed in place since, or never processed) runs through
-``F.linear``. In bf16 on a CPU with AMX, up to 64 rows (decode steps) go to the AMX kernel
-of ``cpu_amx.py``, from a third copy in its own tile layout; else a few rows go to the GEMV
-of ``cpu_gemv.py``, which reads the plain weight. Both stream the weight at the memory
-bandwidth, which oneDNN's GEMM does not at these sizes. The cost is memory: one more copy
+``F.linear``. Which kernel runs a call (the GEMV of ``cpu_gemv.py``, which streams the
+plain weight; the AMX kernel of ``cpu_amx.py``, from a third copy in its own tile layout;
+oneDNN; ``F.linear``) is ``linear_kernels.py``'s choice for the weight and the row count:
+measured on this CPU by ``kernel_tuning.py``, or the built-in rule. The cost is memory: one more copy
 of every packed weight (two in bf16 with AMX). A quantized weight (``uint8`` blocks of
 GGUF's Q8_0, Q4_0 or Q4_1, ``cpu_quant_formats.py``) has no copy: processing rearranges its
 bytes in place into the int8 kernel's layout (``cpu_quant_gemm.py``), which reads them.
@@ -30,13 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compile_runtime.ops.cpu_amx import MAX_ROWS as MAX_AMX_ROWS
-from compile_runtime.ops.cpu_amx import amx_linear
 from compile_runtime.ops.cpu_amx import pack as pack_for_amx
-from compile_runtime.ops.cpu_gemv import MOST_ROWS as MAX_GEMV_ROWS
-from compile_runtime.ops.cpu_gemv import gemv_dtypes, gemv_linear
+from compile_runtime.ops.cpu_gemv import gemv_dtypes
 from compile_runtime.ops.cpu_quant_gemm import kernel_available, pack_for_kernel, quant_linear
 from compile_runtime.ops.hugepages import move_into_hugepages
+from compile_runtime.ops.linear_kernels import float_linear, tuned_kernels
 from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
 
 logger = logging.getLogger(__name__)
@@ -50,22 +48,7 @@ def cpu_linear_impl(
 ) -> torch.Tensor:
     if weight.dtype == torch.uint8:  # quantized (ops/cpu_quant_formats.py): no packed copy
         return quant_linear(x, weight, bias)
-    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-    entry = lookup(weight)
-    if entry is not None and entry.amx is not None and rows <= MAX_AMX_ROWS:
-        out = amx_linear(x, entry.amx, bias)
-        if out is not None:
-            return out
-    if rows <= MAX_GEMV_ROWS:  # a few rows: the GEMV reads the plain weight, faster
-        out = gemv_linear(x, weight, bias)
-        if out is not None:
-            return out
-    if entry is None:
-        return F.linear(x, weight, bias)
-    two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
-    flat = x if two_d else x.reshape(-1, x.shape[-1])
-    out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), entry.onednn, bias, "none", [], "")
-    return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
+    return float_linear(x, weight, lookup(weight), bias)  # the kernel for the rows
 
 
 # A plain library registration: its dispatch costs a few microseconds per call,
@@ -106,25 +89,44 @@ def _gemv_reads(weight: torch.Tensor) -> bool:
     )
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """Make (or refresh) the packed copies of a float ``weight`` and record them."""
+def packed_copies(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """oneDNN's blocked copy of a float ``weight`` and the AMX kernel's (None without AMX)."""
     with torch.no_grad():
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
-        amx = pack_for_amx(weight.detach())
-    return record(weight, onednn=onednn, amx=amx)
+        return onednn, pack_for_amx(weight.detach())
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """Make (or refresh) the packed copies of a float ``weight`` and record them, with the
+    kernels measured for its shape here, if any (``linear_kernels.py``)."""
+    onednn, amx = packed_copies(weight)
+    entry = record(weight, onednn=onednn, amx=amx)
+    entry.kernels = tuned_kernels(weight)
+    return entry
 
 
 def process_weights_after_loading(module: nn.Module) -> PackedWeight | None:
-    """Process one linear layer's loaded weight for the kernel that runs it: a float weight
+    """Process one linear layer's loaded weight for the kernels that run it: a float weight
     oneDNN takes gets its packed copies (made afresh: it may have been written through
-    ``.data``), a quantized one is rearranged in place (once). Returns the record
-    (``packed_weights.py``), or None for a weight run as it is."""
+    ``.data``), one only the GEMV reads a record without copies (both with the kernels
+    measured for their shape, if any), a quantized one is rearranged in place (once).
+    Returns the record (``packed_weights.py``), or None for a weight run as it is."""
     weight = module.weight
     if is_quantized(weight):
         return pack_for_kernel(weight)
     if can_pack(weight):
         return pack_weight(weight)
+    if _gemv_reads(weight):
+        entry = record(weight)
+        entry.kernels = tuned_kernels(weight)
+        return entry
     return None
+
+
+def _processed(weight: torch.Tensor | None) -> bool:
+    """A weight ``cpu_linear`` runs by its own kernels: quantized, packed, or the GEMV's
+    (bf16 without AVX512-BF16 or AMX, which oneDNN cannot take here)."""
+    return is_quantized(weight) or can_pack(weight) or _gemv_reads(weight)
 
 
 def _process_layers(layers: list[nn.Module]) -> int:
@@ -133,8 +135,7 @@ def _process_layers(layers: list[nn.Module]) -> int:
     AMX copies after. Moves come first: a record holds the weight's address. Returns how
     many float weights were packed."""
     weights = list({id(m.weight): m.weight for m in layers}.values())
-    floats = [w for w in weights if can_pack(w)]
-    move_into_hugepages(floats)
+    move_into_hugepages([w for w in weights if not is_quantized(w)])
     if kernel_available():  # not those in the kernel's layout already: moved then
         move_into_hugepages([w for w in weights if is_quantized(w) and lookup(w) is None])
     records: dict[int, PackedWeight | None] = {}
@@ -142,30 +143,23 @@ def _process_layers(layers: list[nn.Module]) -> int:
         if id(module.weight) not in records:
             records[id(module.weight)] = process_weights_after_loading(module)
     move_into_hugepages([r.amx for r in records.values() if r is not None and r.amx is not None])
-    return len(floats)
+    return sum(1 for w in weights if can_pack(w))
 
 
 def pack_linear_weights(model: nn.Module) -> int:
-    """Process the weight of every module that has a ``use_packed_weight`` flag; set the flag.
+    """Process the weight of every module that has a ``use_packed_weight`` flag and a weight
+    ``cpu_linear`` runs by its own kernels (``_processed``); set the flag.
 
     Call after the weights are loaded and before the first forward (the flag is
-    read when the forward is traced). Returns how many float weights were packed. A float
-    weight oneDNN cannot take in its dtype here (bf16 without AVX512-BF16 or AMX) is
-    flagged too when the GEMV reads that dtype: ``cpu_linear`` then runs it by the GEMV,
-    ``F.linear`` past the GEMV's rows.
+    read when the forward is traced). Returns how many float weights were packed.
     """
-    layers, gemv_only = [], []
-    for module in model.modules():
-        if not hasattr(module, "use_packed_weight"):
-            continue
-        weight = getattr(module, "weight", None)
-        if is_quantized(weight) or can_pack(weight):
-            layers.append(module)
-            module.use_packed_weight = True
-        elif _gemv_reads(weight):
-            gemv_only.append(weight)  # no oneDNN copy in this dtype here: the GEMV's alone
-            module.use_packed_weight = True
-    move_into_hugepages(list({id(w): w for w in gemv_only}.values()))
+    layers = [
+        m
+        for m in model.modules()
+        if hasattr(m, "use_packed_weight") and _processed(getattr(m, "weight", None))
+    ]
+    for module in layers:
+        module.use_packed_weight = True
     count = _process_layers(layers)
     logger.info("packed %d linear weights for oneDNN (CPU)", count)
     return count
@@ -181,8 +175,7 @@ def repack_linear_weights(model: nn.Module) -> None:
         [
             m
             for m in model.modules()
-            if getattr(m, "use_packed_weight", False)
-            and (is_quantized(m.weight) or can_pack(m.weight))  # not the GEMV-only weights
+            if getattr(m, "use_packed_weight", False) and _processed(m.weight)
         ]
     )
 

@@ -32,7 +32,7 @@ import torch
 class PackedWeight:
     """One weight's processed forms, and the parameter's layout and version when made."""
 
-    __slots__ = ("amx", "onednn", "shape", "stride", "version", "weight")
+    __slots__ = ("amx", "kernels", "onednn", "shape", "stride", "version", "weight")
 
     def __init__(
         self,
@@ -47,6 +47,9 @@ class PackedWeight:
         self.version = like._version
         self.onednn = onednn  # oneDNN's blocked copy (float weights)
         self.amx = amx  # the AMX kernel's tile copy (bf16, cpu_amx.py)
+        # A float weight's kernel per row bucket, measured here (linear_kernels.py); None:
+        # the built-in choice.
+        self.kernels: tuple[str, ...] | None = None
 
 
 _by_address: dict[int, PackedWeight] = {}

@@ -121,6 +121,7 @@ class ModelRunner:
             device=self.device,
             use_transformers=use_transformers,
             cpu_pack_weights=self.config.cpu_pack_weights,
+            cpu_tune_kernels=self.config.cpu_tune_kernels,
             hf_config=hf_config,
             quantization=self.config.quantization,
         )
@@ -169,8 +170,6 @@ class ModelRunner:
         self.capture_report: CaptureReport | None = None
         self.unreplayed: Counter[str] = Counter()  # steps without a graph, by reason
         self.vocab_size = getattr(self.model.config, "vocab_size", None)
-
-    # ---- start-up ---------------------------------------------------------
 
     def initialize(self) -> None:
         """Compile (first trace at the largest size), plan the CUDA graphs, size and bind the KV
