@@ -265,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     from compile_runtime.verify.cli import register as register_check
 
     register_check(sub)
+    from compile_runtime.tune_cli import register as register_tune
+
+    register_tune(sub)
     return parser
 
 

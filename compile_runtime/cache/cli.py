@@ -11,7 +11,9 @@ from typing import Any
 
 from compile_runtime.cache import archive, manage
 from compile_runtime.cache.location import cache_root, check_root
+from compile_runtime.ops.kernel_tuning import TuningTable, list_tables
 from compile_runtime.table import format_table
+from compile_runtime.tune_cli import describe
 
 _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _AGE = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -81,16 +83,30 @@ def cmd_list(args: argparse.Namespace) -> int:
     ]
     damaged = {e.path: e.problem for e in listed if e.problem}
     damaged.update({os.path.join(args.root, e.key): e.key_problem for e in listed if e.key_problem})
+    tables = list_tables(args.root)
     text = "\n".join(
         ([format_table(headers, rows)] if rows else [])
         + [_corrupt_line(path, problem) for path, problem in sorted(damaged.items())]
+        + _tuning_lines(tables)
     )
-    _emit(
-        args,
-        [{k: v for k, v in e.to_json().items() if k != "artifacts"} for e in listed],
-        text or f"(no entries in {args.root})",
-    )
+    data = [{k: v for k, v in e.to_json().items() if k != "artifacts"} for e in listed]
+    data += [
+        {"kernel_tuning": path, **(t.to_json() if isinstance(t, TuningTable) else {"problem": t})}
+        for path, t in tables
+    ]
+    _emit(args, data, text or f"(no entries in {args.root})")
     return 0
+
+
+def _tuning_lines(tables: list) -> list[str]:
+    """The CPU kernel tuning tables (``ops/kernel_tuning.py``): each one's CPU and choices."""
+    lines = []
+    for path, table in tables:
+        if not isinstance(table, TuningTable):
+            lines.append(f"kernel tuning table {path}: {table} (ignored; the next start measures again)")
+            continue
+        lines.append(f"\nkernel tuning {os.path.basename(path)}:\n{describe(table)}")
+    return lines
 
 
 def cmd_show(args: argparse.Namespace) -> int:
