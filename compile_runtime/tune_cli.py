@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
 from compile_runtime.argtypes import positive_int
 from compile_runtime.models.dtype import DTYPE_CHOICES
 from compile_runtime.ops.kernel_tuning import BUDGET_S, TuningTable, tune_linear_kernels
@@ -34,7 +36,8 @@ def kernel_spans(table: TuningTable, shape: str) -> str:
 def describe(table: TuningTable) -> str:
     """The table as the CLI prints it: one row per shape, then how it was measured."""
     rows = [
-        [shape, choice.weights, kernel_spans(table, shape)] for shape, choice in table.shapes.items()
+        [shape, choice.weights, kernel_spans(table, shape)]
+        for shape, choice in table.shapes.items()
     ]
     measured = (
         f"measured in {table.seconds:.2f} s ({table.timings} timed passes)"
@@ -43,7 +46,9 @@ def describe(table: TuningTable) -> str:
     )
     partial = "" if table.complete else "; the budget ran out: larger rows keep the built-in choice"
     return (
-        format_table(["weight", "weights", "kernel by rows (bucket: calls up to that many rows)"], rows)
+        format_table(
+            ["weight", "weights", "kernel by rows (bucket: calls up to that many rows)"], rows
+        )
         + f"\n# {table.cpu}, {table.threads} threads, torch {table.torch_version}: {measured}{partial}"
     )
 
@@ -56,7 +61,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
 
     options = {"device": "cpu", "num_threads": args.num_threads, "quantization": args.quantization}
     config, hf_config = decide_engine_config(args.model, None, args.dtype, options)
-    set_num_threads(config.runner_config, config.device, 1)
+    set_num_threads(config.runner_config, torch.device("cpu"), 1)
     model = load_model(
         config.model_dir,
         CompilationConfig(),

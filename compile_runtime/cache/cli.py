@@ -103,7 +103,9 @@ def _tuning_lines(tables: list) -> list[str]:
     lines = []
     for path, table in tables:
         if not isinstance(table, TuningTable):
-            lines.append(f"kernel tuning table {path}: {table} (ignored; the next start measures again)")
+            lines.append(
+                f"kernel tuning table {path}: {table} (ignored; the next start measures again)"
+            )
             continue
         lines.append(f"\nkernel tuning {os.path.basename(path)}:\n{describe(table)}")
     return lines

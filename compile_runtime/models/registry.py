@@ -24,8 +24,8 @@ from compile_runtime.models.llama import ARCHITECTURES, CausalLM
 from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
-from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
+from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
 
 logger = logging.getLogger(__name__)
 

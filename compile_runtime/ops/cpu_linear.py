@@ -34,7 +34,7 @@ from compile_runtime.ops.cpu_amx import pack as pack_for_amx
 from compile_runtime.ops.cpu_gemv import gemv_dtypes
 from compile_runtime.ops.cpu_quant_gemm import kernel_available, pack_for_kernel, quant_linear
 from compile_runtime.ops.hugepages import move_into_hugepages
-from compile_runtime.ops.linear_kernels import float_linear, tuned_kernels
+from compile_runtime.ops.linear_kernels import float_linear
 from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
 
 logger = logging.getLogger(__name__)
@@ -97,30 +97,25 @@ def packed_copies(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | No
 
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight:
-    """Make (or refresh) the packed copies of a float ``weight`` and record them, with the
-    kernels measured for its shape here, if any (``linear_kernels.py``)."""
+    """Make (or refresh) the packed copies of a float ``weight`` and record them."""
     onednn, amx = packed_copies(weight)
-    entry = record(weight, onednn=onednn, amx=amx)
-    entry.kernels = tuned_kernels(weight)
-    return entry
+    return record(weight, onednn=onednn, amx=amx)
 
 
 def process_weights_after_loading(module: nn.Module) -> PackedWeight | None:
     """Process one linear layer's loaded weight for the kernels that run it: a float weight
     oneDNN takes gets its packed copies (made afresh: it may have been written through
     ``.data``), one only the GEMV reads a record without copies (both with the kernels
-    measured for their shape, if any), a quantized one is rearranged in place (once).
+    the layer's measured kernels, if any), a quantized one is rearranged in place (once).
     Returns the record (``packed_weights.py``), or None for a weight run as it is."""
     weight = module.weight
     if is_quantized(weight):
         return pack_for_kernel(weight)
-    if can_pack(weight):
-        return pack_weight(weight)
-    if _gemv_reads(weight):
-        entry = record(weight)
-        entry.kernels = tuned_kernels(weight)
-        return entry
-    return None
+    if not (can_pack(weight) or _gemv_reads(weight)):
+        return None
+    entry = pack_weight(weight) if can_pack(weight) else record(weight)
+    entry.kernels = getattr(module, "linear_kernels", None)  # measured here (kernel_tuning.py)
+    return entry
 
 
 def _processed(weight: torch.Tensor | None) -> bool:

@@ -47,7 +47,6 @@ from compile_runtime.ops.linear_kernels import (
     built_in_kernel,
     candidates,
     run_kernel,
-    set_tuned,
     shape_name,
 )
 from compile_runtime.ops.packed_weights import PackedWeight, lookup
@@ -126,14 +125,18 @@ def table_key(shapes: list[str]) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _float_weights(model: nn.Module) -> dict[str, list[nn.Parameter]]:
-    """The float weights ``cpu_linear`` runs, by shape name (each weight once)."""
-    groups: dict[str, dict[int, nn.Parameter]] = {}
+def _float_layers(model: nn.Module) -> dict[str, list[nn.Module]]:
+    """The layers whose float weight ``cpu_linear`` runs, by the weight's shape name."""
+    groups: dict[str, list[nn.Module]] = {}
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if getattr(module, "use_packed_weight", False) and weight.dtype != torch.uint8:
-            groups.setdefault(shape_name(weight), {})[id(weight)] = weight
-    return {name: list(group.values()) for name, group in sorted(groups.items())}
+            groups.setdefault(shape_name(weight), []).append(module)
+    return dict(sorted(groups.items()))
+
+
+def _weights(layers: list[nn.Module]) -> list[nn.Parameter]:
+    return list({id(m.weight): m.weight for m in layers}.values())
 
 
 def _time_pass(name: str, x: torch.Tensor, pairs: list) -> float:
@@ -218,9 +221,7 @@ def measure(groups: dict[str, list[nn.Parameter]], key: str, budget_s: float) ->
                 if rows > STREAMED_ROWS >= ROW_BUCKETS[index - 1]:  # GEMMs back in the race
                     dropped[name] &= set(STREAMING)
                 pairs = streamed[name] if rows <= STREAMED_ROWS else sliced[name]
-                names = [
-                    k for k in candidates(*pairs[0], rows) if k not in dropped[name]
-                ]
+                names = [k for k in candidates(*pairs[0], rows) if k not in dropped[name]]
                 if len(names) < 2:
                     continue
                 timed = _time_bucket(rows, pairs, names)
@@ -255,24 +256,29 @@ def _read(path: str, key: str, shapes: list[str]) -> TuningTable | None:
     return table
 
 
-def apply(table: TuningTable, groups: dict[str, list[nn.Parameter]]) -> None:
-    """Give each weight's record its shape's kernels (weights processed later get them too)."""
-    choices = {name: tuple(choice.kernels) for name, choice in table.shapes.items()}
-    set_tuned(choices)
-    for name, weights in groups.items():
-        for weight in weights:
-            entry: PackedWeight | None = lookup(weight)
+def apply(table: TuningTable, groups: dict[str, list[nn.Module]]) -> None:
+    """Give each layer, and its weight's record, its shape's kernels (the layer keeps them
+    for a reload: ``cpu_linear.process_weights_after_loading``)."""
+    for name, layers in groups.items():
+        kernels = tuple(table.shapes[name].kernels)
+        for layer in layers:
+            layer.linear_kernels = kernels
+            entry: PackedWeight | None = lookup(layer.weight)
             if entry is not None:
-                entry.kernels = choices[name]
+                entry.kernels = kernels
 
 
 def tune_linear_kernels(
-    model: nn.Module, *, root: str | None = None, budget_s: float = BUDGET_S, remeasure: bool = False
+    model: nn.Module,
+    *,
+    root: str | None = None,
+    budget_s: float = BUDGET_S,
+    remeasure: bool = False,
 ) -> TuningTable | None:
     """Choose the kernel of every float linear weight of ``model`` per row bucket: from the
     table saved for this CPU and these shapes, or measured now (``remeasure``: measured even
     when one is saved) and saved. None when the model has no float weight to choose for."""
-    groups = _float_weights(model)
+    groups = _float_layers(model)
     if not groups:
         return None
     shapes = list(groups)
@@ -282,7 +288,7 @@ def tune_linear_kernels(
     if table is None:
         logger.info("timing the CPU linear kernels for %d weight shapes (at most %.0f s)",
                     len(shapes), budget_s)  # fmt: skip
-        table = measure(groups, key, budget_s)
+        table = measure({name: _weights(layers) for name, layers in groups.items()}, key, budget_s)
         write_atomic(path, json.dumps(table.to_json(), indent=1).encode())
         logger.info(
             "kernel tuning: %d timings in %.2f s%s; saved to %s", table.timings, table.seconds,

@@ -13,8 +13,9 @@ a call of 3 rows is in the bucket of 4, any call past 128 rows in the last). A t
 carries its choices in its record (``PackedWeight.kernels``, one name per bucket), measured on
 this machine by ``kernel_tuning.py``; an untuned one runs the built-in rule
 (``built_in_kernel``), written from measurements on an AMX Xeon: AMX up to 64 rows, else the
-GEMV up to ``cpu_gemv.MAX_ROWS``, else oneDNN, else ``F.linear``. ``set_tuned`` keeps the
-choices by shape, so a weight processed again (a reload) gets them back.
+GEMV up to ``cpu_gemv.MAX_ROWS``, else oneDNN, else ``F.linear``. The layer keeps its
+weight's choices too (``linear_kernels``, set by the tuning), so a weight processed again
+after a reload gets them back.
 """
 
 from __future__ import annotations
@@ -31,9 +32,6 @@ from compile_runtime.ops.packed_weights import PackedWeight
 KERNELS = ("gemv", "amx", "onednn", "linear")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 _LAST = len(ROW_BUCKETS) - 1
-
-# "dtype:NxK" -> the kernel per row bucket, as tuned in this process (kernel_tuning.py).
-_tuned: dict[str, tuple[str, ...]] = {}
 
 
 def bucket_index(rows: int) -> int:
@@ -66,15 +64,6 @@ def built_in_kernel(entry: PackedWeight | None, dtype: torch.dtype, rows: int) -
     if rows <= MAX_GEMV_ROWS.get(dtype, 0) and dtype in gemv_dtypes():
         return "gemv"
     return "onednn" if entry is not None and entry.onednn is not None else "linear"
-
-
-def set_tuned(choices: dict[str, tuple[str, ...]]) -> None:
-    """Keep measured choices by shape name, for weights processed from now on."""
-    _tuned.update(choices)
-
-
-def tuned_kernels(weight: torch.Tensor) -> tuple[str, ...] | None:
-    return _tuned.get(shape_name(weight))
 
 
 def run_kernel(
