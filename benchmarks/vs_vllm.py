@@ -36,7 +36,7 @@ llama.cpp (batch 1). Left out there: vLLM and transformers on the quantized
 files, llama.cpp beyond batch 1, ours dequantized (``quantization="none"``).
 
 Workloads: ``batch1`` (one 32-token prompt, 128 new tokens), ``batch8`` (8 x 32
-+ 128), ``batch32`` (32 x 32 + 64), ``mixed`` (64 requests, prompt lengths
++ 128), ``batch16`` (16 x 32 + 128), ``batch32`` (32 x 32 + 64), ``mixed`` (64 requests, prompt lengths
 uniform 8..200, outputs 8..128, one generate call).
 Prompt ids are drawn from ``random.Random`` over ids 1000..40000, fresh for
 every round and the warm-up (the same on every side), so no side's prefix
@@ -70,7 +70,7 @@ caches under ``~/.cache`` are warm after the first run); peak RSS is the sum of
 VmHWM over each worker's process tree (vLLM runs three processes).
 
     python benchmarks/vs_vllm.py [--setup] [--quick] [--sides vllm llamacpp hf ours]
-        [--dtypes fp32 bf16] [--workloads batch1 batch8 batch32 mixed] [--repeats 3]
+        [--dtypes fp32 bf16] [--workloads batch1 batch8 batch16 batch32 mixed] [--repeats 3]
         [--llamacpp-quants q8_0 q4_1] [--ours-quants q8_0 q4_1] [--skip hf:mixed ...]
         [--ours-model hf|gguf]
         [--ours-options JSON] [--one-at-a-time] [--quiet-wait S]
@@ -165,12 +165,14 @@ class Workload:
 FULL = [
     Workload("batch1", 1, (32, 32), (128, 128)),
     Workload("batch8", 8, (32, 32), (128, 128)),
+    Workload("batch16", 16, (32, 32), (128, 128)),
     Workload("batch32", 32, (32, 32), (64, 64)),
     Workload("mixed", 64, (8, 200), (8, 128)),
 ]
 QUICK = [
     Workload("batch1", 1, (32, 32), (16, 16)),
     Workload("batch8", 8, (32, 32), (16, 16)),
+    Workload("batch16", 16, (32, 32), (16, 16)),
     Workload("batch32", 32, (32, 32), (8, 8)),
     Workload("mixed", 8, (8, 64), (4, 16)),
 ]
