@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.ops import cpu_amx, cpu_linear, linear_kernels
+from compile_runtime.ops import cpu_amx, cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_amx.amx_available(), reason="this CPU (or kernel) has no AMX-BF16 tiles"
@@ -57,7 +57,7 @@ def test_cpu_linear_sends_decode_sized_bf16_calls_to_amx_and_never_a_stale_copy(
     weight = torch.randn(64, 32, dtype=torch.bfloat16)
     cpu_linear.pack_weight(weight)
     taken = []
-    real = linear_kernels.amx_linear
+    real = cpu_linear.amx_linear
 
     def counting(x, packed, bias):
         out = real(x, packed, bias)
@@ -65,7 +65,7 @@ def test_cpu_linear_sends_decode_sized_bf16_calls_to_amx_and_never_a_stale_copy(
             taken.append(x.shape[0])
         return out
 
-    monkeypatch.setattr(linear_kernels, "amx_linear", counting)
+    monkeypatch.setattr(cpu_linear, "amx_linear", counting)
     for rows in (1, 64, 65, 300):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         assert _close(torch.ops.compile_runtime.cpu_linear(x, weight, None), x, weight)

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.ops import cpu_gemv, cpu_linear, linear_kernels
+from compile_runtime.ops import cpu_gemv, cpu_linear
 
 # Tolerances: float32 sums in another order; bf16 outputs are rounded once to bf16.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
@@ -68,7 +68,7 @@ def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeyp
     if cpu_linear.can_pack(weight):  # oneDNN's bf16 needs AVX-512 (else torch's own linear)
         cpu_linear.pack_weight(weight)
     calls = []
-    real = linear_kernels.gemv_linear
+    real = cpu_linear.gemv_linear
 
     def counting(x, w, b):
         out = real(x, w, b)
@@ -76,7 +76,7 @@ def test_cpu_linear_sends_a_few_rows_to_the_gemv_and_more_rows_to_onednn(monkeyp
             calls.append(x.shape[0])
         return out
 
-    monkeypatch.setattr(linear_kernels, "gemv_linear", counting)
+    monkeypatch.setattr(cpu_linear, "gemv_linear", counting)
     most = cpu_gemv.MAX_ROWS[dtype]  # every count for bf16 where oneDNN has no bf16
     sizes = [1, most, most + 1, 64] if most < 64 else [1, 8, 64]
     for rows in sizes:

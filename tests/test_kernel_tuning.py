@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from compile_runtime.cli import main
 from compile_runtime.config import CompilationConfig
 from compile_runtime.models.registry import load_model
-from compile_runtime.ops import cpu_linear, kernel_tuning, linear_kernels
-from compile_runtime.ops.linear_kernels import (
+from compile_runtime.ops import cpu_linear, kernel_tuning
+from compile_runtime.ops.cpu_linear import (
     ROW_BUCKETS,
     bucket_index,
     built_in_kernel,
@@ -79,7 +79,7 @@ def test_measures_once_then_reads_the_saved_table(model, tmp_path, passes):
         choice = first.shapes[name]
         assert choice.weights == len(weights) and len(choice.kernels) == len(ROW_BUCKETS)
         assert all(lookup(w).kernels == tuple(choice.kernels) for w in weights)
-        assert set(choice.kernels) <= set(linear_kernels.KERNELS)
+        assert set(choice.kernels) <= set(cpu_linear.KERNELS)
     timed = len(passes)
     second = kernel_tuning.tune_linear_kernels(model, root=str(tmp_path))
     assert len(passes) == timed and second.timings == 0  # read, not measured
@@ -177,7 +177,7 @@ def test_a_tuned_weight_runs_its_kernel_and_keeps_it_when_processed_again(monkey
     def refuse(*args):
         raise AssertionError("the GEMV ran, not the tuned kernel")
 
-    monkeypatch.setattr(linear_kernels, "gemv_linear", refuse)
+    monkeypatch.setattr(cpu_linear, "gemv_linear", refuse)
     x = torch.randn(1, 24)
     out = torch.ops.compile_runtime.cpu_linear(x, layer.weight, None)
     assert (out - F.linear(x, layer.weight)).abs().max() < 1e-5

@@ -11,9 +11,8 @@ included: the passes replace a pattern only by an op of identical semantics.
     torch.ops.compile_runtime.rotary_embedding_(positions, query, key, cos_cache, sin_cache)
                                                           # in place on query and key
 
-CPU linear layers: ``cpu_linear`` (the op; each layer's weight processed once after
-loading), ``linear_kernels`` (the kernels a float weight can run by, and which one runs a
-call), ``kernel_tuning`` (that choice measured on this CPU, cached), ``packed_weights`` (the one record of what
+CPU linear layers: ``cpu_linear`` (the op: the kernels a float weight can run by and
+which one runs a call; each layer's weight processed once after loading), ``kernel_tuning`` (that choice measured on this CPU, cached), ``packed_weights`` (the one record of what
 processing made of a weight, found by the op), ``cpu_gemv`` and ``cpu_amx`` (C kernels for
 float weights), ``c_library`` (builds them from ``csrc/``, typed by ``c_header`` from their
 headers), ``native_function`` (a C function a CPU graph can record), ``hugepages`` (weights

@@ -9,7 +9,7 @@ products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
 16 partial sums of a tile together, faster than all three on SmolLM2-135M's weights
 (the README's "On a CPU"). With more rows the weight is reused and the GEMV becomes
 bound by its arithmetic: past some row count oneDNN is faster again (where, the machine
-decides: ``linear_kernels.py``). The C is
+decides: ``cpu_linear.py``). The C is
 ``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
 Zen 3) runs both tiles with 8-float vectors (bf16 widened by a shift: half the bytes of
 float32 to read); without AVX2, or without a C compiler, every dtype keeps the oneDNN path.
@@ -25,7 +25,7 @@ import torch
 from compile_runtime.ops.native_function import NativeFunction
 
 
-# The built-in choice (linear_kernels.py; a tuned weight has its own, measured): rows up to
+# The built-in choice (cpu_linear.py; a tuned weight has its own, measured): rows up to
 # which the GEMV beat oneDNN's packed GEMM on an AMX Xeon (all of SmolLM2's weights, 2 cores):
 # in bf16 oneDNN's time is flat to 16 rows while the GEMV turns compute-bound past 4; in
 # float32 the GEMV leads to 16 rows and is even at 32 (README, "On a CPU").

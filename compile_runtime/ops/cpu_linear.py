@@ -1,25 +1,32 @@
-"""Linear layers on CPU with weights packed once for oneDNN.
+"""Linear layers on CPU: each call run by the kernel chosen for its weight and row count.
 
-``F.linear`` on CPU calls MKL's sgemm, which lays the weight out for its
-micro-kernels again on every call. oneDNN with the weight reordered once into
-its blocked layout was faster at every row count the runtime runs, measured in whole
-decode steps whose weights stream from memory (an isolated benchmark of a few weights
-that stay in cache shows the plain call ahead at 1-2 rows; the README's "On a CPU" says
-which kernel runs where). So ``cpu_linear`` uses the packed weight whenever there is one.
+``torch.ops.compile_runtime.cpu_linear`` (opaque to Dynamo and Inductor) runs a float weight
+by one of four kernels:
 
-Each linear layer's weight is processed once after loading
-(``process_weights_after_loading``, driven over a model by ``pack_linear_weights`` and, after
-a reload, ``repack_linear_weights``) and the result recorded in ``packed_weights.py``: the
-graph sees the ordinary weight, and ``torch.ops.compile_runtime.cpu_linear`` (opaque to
-Dynamo and Inductor) finds the record at run time (that file says why not on the layer). A
-weight without a current record (changed in place since, or never processed) runs through
-``F.linear``. Which kernel runs a call (the GEMV of ``cpu_gemv.py``, which streams the
-plain weight; the AMX kernel of ``cpu_amx.py``, from a third copy in its own tile layout;
-oneDNN; ``F.linear``) is ``linear_kernels.py``'s choice for the weight and the row count:
-measured on this CPU by ``kernel_tuning.py``, or the built-in rule. The cost is memory: one more copy
-of every packed weight (two in bf16 with AMX). A quantized weight (``uint8`` blocks of
-GGUF's Q8_0, Q4_0 or Q4_1, ``cpu_quant_formats.py``) has no copy: processing rearranges its
-bytes in place into the int8 kernel's layout (``cpu_quant_gemm.py``), which reads them.
+* ``gemv``: ``cpu_gemv.py``, which streams the plain weight (fast while the rows are few);
+* ``amx``: ``cpu_amx.py``, bf16 on a CPU with AMX, from its own tile copy (up to 64 rows);
+* ``onednn``: oneDNN's GEMM on its blocked copy of the weight;
+* ``linear``: ``F.linear`` (MKL's sgemm, which repacks the weight on every call, in float32;
+  torch's own GEMM in bf16).
+
+Which is fastest depends on the CPU, the thread count, the weight's shape and dtype and the
+row count, so the choice is per weight and per row bucket (``ROW_BUCKETS``, powers of two:
+a call of 3 rows is in the bucket of 4, any call past 128 rows in the last). A tuned weight
+carries its choices in its record (``PackedWeight.kernels``, one name per bucket), measured on
+this machine by ``kernel_tuning.py``; the layer keeps them too (``linear_kernels``), so a
+weight processed again after a reload gets them back. An untuned one runs the built-in rule
+(``built_in_kernel``), written from measurements on an AMX Xeon: AMX up to 64 rows, else the
+GEMV up to ``cpu_gemv.MAX_ROWS``, else oneDNN, else ``F.linear``.
+
+Each linear layer's weight is processed once after loading (``process_weights_after_loading``,
+driven over a model by ``pack_linear_weights`` and, after a reload, ``repack_linear_weights``)
+and the result recorded in ``packed_weights.py``: the graph sees the ordinary weight, and the
+op finds the record at run time (that file says why not on the layer). A weight without a
+current record (changed in place since, or never processed) runs without the copies. The
+cost is memory: one more copy of every packed weight (two in bf16 with AMX). A quantized
+weight (``uint8`` blocks of GGUF's Q8_0, Q4_0 or Q4_1, ``cpu_quant_formats.py``) has one
+kernel and no copy: processing rearranges its bytes in place into the int8 kernel's layout
+(``cpu_quant_gemm.py``), which reads them.
 """
 
 from __future__ import annotations
@@ -30,17 +37,98 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compile_runtime.ops.cpu_amx import MAX_ROWS as MAX_AMX_ROWS
+from compile_runtime.ops.cpu_amx import amx_linear
 from compile_runtime.ops.cpu_amx import pack as pack_for_amx
-from compile_runtime.ops.cpu_gemv import gemv_dtypes
+from compile_runtime.ops.cpu_gemv import MAX_ROWS as MAX_GEMV_ROWS
+from compile_runtime.ops.cpu_gemv import gemv_dtypes, gemv_linear
 from compile_runtime.ops.cpu_quant_gemm import kernel_available, pack_for_kernel, quant_linear
 from compile_runtime.ops.hugepages import move_into_hugepages
-from compile_runtime.ops.linear_kernels import float_linear
 from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
 
 logger = logging.getLogger(__name__)
 
 OP_NAME = "compile_runtime::cpu_linear"
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
+
+KERNELS = ("gemv", "amx", "onednn", "linear")
+ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+_LAST = len(ROW_BUCKETS) - 1
+
+
+def bucket_index(rows: int) -> int:
+    """The bucket of a call of ``rows`` rows: the smallest of ``ROW_BUCKETS`` at or above it."""
+    return min(max(rows - 1, 0).bit_length(), _LAST)
+
+
+def shape_name(weight: torch.Tensor) -> str:
+    """What a choice is made for: the weight's dtype and shape, e.g. ``float32:960x576``."""
+    return f"{str(weight.dtype).removeprefix('torch.')}:{'x'.join(map(str, weight.shape))}"
+
+
+def candidates(weight: torch.Tensor, entry: PackedWeight | None, rows: int) -> tuple[str, ...]:
+    """The kernels that can run ``weight`` (with its record ``entry``) at ``rows`` rows here."""
+    names = []
+    if entry is not None and entry.amx is not None and rows <= MAX_AMX_ROWS:
+        names.append("amx")
+    if weight.dtype in gemv_dtypes():
+        names.append("gemv")
+    if entry is not None and entry.onednn is not None:
+        names.append("onednn")
+    names.append("linear")
+    return tuple(names)
+
+
+def built_in_kernel(entry: PackedWeight | None, dtype: torch.dtype, rows: int) -> str:
+    """The choice without a measurement (the module docstring says where it comes from)."""
+    if entry is not None and entry.amx is not None and rows <= MAX_AMX_ROWS:
+        return "amx"
+    if rows <= MAX_GEMV_ROWS.get(dtype, 0) and dtype in gemv_dtypes():
+        return "gemv"
+    return "onednn" if entry is not None and entry.onednn is not None else "linear"
+
+
+def run_kernel(
+    name: str,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    entry: PackedWeight | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """``F.linear(x, weight, bias)`` by kernel ``name``; None when that kernel does not take
+    these tensors (a strided input, a bias in another dtype, no copy for it)."""
+    if name == "gemv":
+        return gemv_linear(x, weight, bias)
+    if name == "amx":
+        return None if entry is None or entry.amx is None else amx_linear(x, entry.amx, bias)
+    if name == "onednn":
+        if entry is None or entry.onednn is None:
+            return None
+        two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
+        flat = x if two_d else x.reshape(-1, x.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(
+            flat.contiguous(), entry.onednn, bias, "none", [], ""
+        )
+        return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
+    if name == "linear":
+        return F.linear(x, weight, bias)
+    raise ValueError(f"unknown linear kernel {name!r}; one of {', '.join(KERNELS)}")
+
+
+def float_linear(
+    x: torch.Tensor, weight: torch.Tensor, entry: PackedWeight | None, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a float weight, by the kernel chosen for its row
+    count (tuned, else built in); oneDNN or ``F.linear`` when that one declines."""
+    rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
+    if entry is not None and entry.kernels is not None:
+        name = entry.kernels[bucket_index(rows)]
+    else:
+        name = built_in_kernel(entry, weight.dtype, rows)
+    out = run_kernel(name, x, weight, entry, bias)
+    if out is None:
+        out = run_kernel("onednn", x, weight, entry, bias)
+    return out if out is not None else F.linear(x, weight, bias)
 
 
 def cpu_linear_impl(

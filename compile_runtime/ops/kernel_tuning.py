@@ -1,11 +1,11 @@
 """Which linear kernel is fastest for each weight shape and row count, measured on this CPU.
 
-The four kernels of ``linear_kernels.py`` rank differently from one CPU to the next: on an
+The four kernels of ``cpu_linear.py`` rank differently from one CPU to the next: on an
 AMX Xeon the GEMV led oneDNN up to 16 float32 rows, on an AVX2-only AMD EPYC (Zen 3)
 oneDNN leads from 16 rows and MKL's ``F.linear`` beats oneDNN at 256 rows on SmolLM2's
 MLP weights. So at a model's first start on a machine, after its weights are processed
 (``cpu_linear.pack_linear_weights``), ``tune_linear_kernels`` times every kernel that can
-run each float weight shape (``linear_kernels.candidates``) at each row bucket, on the
+run each float weight shape (``cpu_linear.candidates``) at each row bucket, on the
 model's own weights, going through all the weights of a shape in turn so they stream from
 memory as they do in a step. Rounds alternate the kernels, the median of each is kept, and
 the built-in choice stays unless another kernel beats it by ``MARGIN``. The table is saved
@@ -41,11 +41,11 @@ from torch import nn
 from compile_runtime.cache.files import write_atomic
 from compile_runtime.cache.location import cache_root
 from compile_runtime.ops.c_library import cpu_identity, source_digest
-from compile_runtime.ops.cpu_linear import packed_copies
-from compile_runtime.ops.linear_kernels import (
+from compile_runtime.ops.cpu_linear import (
     ROW_BUCKETS,
     built_in_kernel,
     candidates,
+    packed_copies,
     run_kernel,
     shape_name,
 )

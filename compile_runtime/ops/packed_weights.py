@@ -47,7 +47,7 @@ class PackedWeight:
         self.version = like._version
         self.onednn = onednn  # oneDNN's blocked copy (float weights)
         self.amx = amx  # the AMX kernel's tile copy (bf16, cpu_amx.py)
-        # A float weight's kernel per row bucket, measured here (linear_kernels.py); None:
+        # A float weight's kernel per row bucket, measured here (cpu_linear.py); None:
         # the built-in choice.
         self.kernels: tuple[str, ...] | None = None
 
