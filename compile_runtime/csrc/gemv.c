@@ -178,8 +178,40 @@ static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, i
 DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
 int gemv_has_f32(void) { return 1; }
 #elif defined(__AVX2__) && defined(__FMA__)
-/* The same tile with 8-float vectors (AMD Zen, Intel before AVX-512). */
-static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+/* The same tile with 8-float vectors (AMD Zen, Intel before AVX-512). AVX2 has 16 vector
+ * registers, not 32, and 4 rows of x by 4 weight rows spill sums to the stack: that costs
+ * nothing while the weight streams from memory (the first group of x rows, ``stream_f32``),
+ * but the later groups, which find the weight rows in L1 and are bound by arithmetic, take
+ * 3 or 4 rows of x in two passes of at most 2 (``pass_f32``: 8 sums, 2 rows of x and a weight
+ * vector in registers): 1.2-1.3x faster at 16-32 rows, the same sums in the same order. */
+static inline void pass_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                            const int MR, const int prefetch, float* res) {
+    __m256 acc[2 * ROWS];
+    for (int i = 0; i < 2 * ROWS; i++) acc[i] = _mm256_setzero_ps();
+    const int64_t tail = K % 8;
+    int64_t k = 0;
+    for (; k + 8 <= K; k += 8) {
+        __m256 xv[2];
+        for (int i = 0; i < MR; i++) xv[i] = _mm256_loadu_ps(x + i * x_stride + k);
+        for (int r = 0; r < ROWS; r++) {
+            if (prefetch) _mm_prefetch((const char*)(w0 + r * K + k) + PREFETCH, _MM_HINT_T0);
+            const __m256 wv = _mm256_loadu_ps(w0 + r * K + k);
+            for (int i = 0; i < MR; i++) acc[i * ROWS + r] = _mm256_fmadd_ps(xv[i], wv, acc[i * ROWS + r]);
+        }
+    }
+    if (tail) {
+        const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)tail),
+                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int r = 0; r < ROWS; r++) {
+            const __m256 wv = _mm256_maskload_ps(w0 + r * K + k, m);
+            for (int i = 0; i < MR; i++)
+                acc[i * ROWS + r] = _mm256_fmadd_ps(_mm256_maskload_ps(x + i * x_stride + k, m), wv, acc[i * ROWS + r]);
+        }
+    }
+    sums8(acc, MR, res);
+}
+
+static inline void stream_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
                              const int MR, const int prefetch, float* res) {
     __m256 acc[16];
     for (int i = 0; i < 16; i++) acc[i] = _mm256_setzero_ps();
@@ -203,6 +235,16 @@ static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, i
         }
     }
     sums8(acc, MR, res);
+}
+
+static inline void tile_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
+                             const int MR, const int prefetch, float* res) {
+    if (MR <= 2 || prefetch) {
+        stream_f32(x, x_stride, w0, K, MR, prefetch, res);
+    } else {
+        pass_f32(x, x_stride, w0, K, 2, prefetch, res);
+        pass_f32(x + 2 * x_stride, x_stride, w0, K, MR - 2, 0, res + 2 * ROWS);
+    }
 }
 
 DEFINE_GEMV(gemv_f32, float, tile_f32, f32_to_f32, f32_to_f32)
