@@ -18,6 +18,7 @@ from compile_runtime.cudagraph import cpu_graph
 from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
 from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
+from compile_runtime.ops import cpu_linear
 from compile_runtime.ops.cpu_quant_gemm import kernel_available
 
 pytestmark = pytest.mark.skipif(not cpu_graphs_available(), reason="needs a C compiler")
@@ -226,6 +227,24 @@ def test_a_matmul_replays_through_a_callback_and_follows_its_inputs():
         a.copy_(torch.randn(3, 5))  # new values at the same address: what a step does
         graph.replay()
     assert torch.equal(out, torch.mm(a, b)) and len(graph.callbacks) == 1
+
+
+@pytest.mark.parametrize("kernel", ["gemv", "onednn", "linear"])
+def test_every_linear_kernel_the_tuning_may_choose_replays(model_dirs, monkeypatch, kernel):
+    """A tuned table may give any row bucket any kernel (ops/kernel_tuning.py): each one is
+    captured (native call or callback into torch), at every size, with the tokens of the
+    same kernel run unreplayed."""
+    if kernel == "gemv" and torch.float32 not in cpu_linear.gemv_dtypes():
+        pytest.skip("no float32 GEMV on this CPU")
+    monkeypatch.setattr(cpu_linear, "built_in_kernel", lambda entry, dtype, rows: kernel)
+    unreplayed = _engine(model_dirs("llama"), "NONE")
+    expected = _tokens(unreplayed, PROMPTS)
+    unreplayed.shutdown()
+    llm = _engine(model_dirs("llama"), None)
+    report = llm.executor.driver_runner.capture_report
+    assert not report.failed, report.summary()
+    assert _tokens(llm, PROMPTS) == expected
+    llm.shutdown()
 
 
 def test_a_dry_capture_records_native_calls_without_running_them():

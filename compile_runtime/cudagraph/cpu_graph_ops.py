@@ -43,13 +43,14 @@ NO_COMPUTE = ALLOCATING | frozenset(
     }
 )
 # Ops with no native entry of ours that a replay calls back into torch for (oneDNN's packed
-# linear: float linears above the GEMV's rows): their result is copied into the tensor the
+# linear and ``F.linear``: float linears whose rows ``cpu_linear`` gives a GEMM): their result is copied into the tensor the
 # capture returned, which the later calls read.
 # The tensor-parallel all-reduce (in place, as Inductor lowers it) and its wait are called back
 # too: each rank's replay runs the collective where its capture did, in the same order.
 CALLED_BACK = frozenset(
     {
         "mkldnn::_linear_pointwise",
+        "aten::linear",
         "aten::mm",
         "aten::addmm",
         "_c10d_functional::all_reduce_",
