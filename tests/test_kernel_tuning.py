@@ -106,7 +106,9 @@ def test_another_cpu_threads_or_shapes_make_another_table(model, tmp_path, passe
     assert len(os.listdir(tmp_path / kernel_tuning.FOLDER)) == 2
 
 
-@pytest.mark.parametrize("damage", ["not json", "truncated", "foreign", "wrong buckets"])
+@pytest.mark.parametrize(
+    "damage", ["not json", "truncated", "foreign", "wrong buckets", "unknown kernel"]
+)
 def test_a_damaged_or_foreign_table_is_ignored_with_one_warning(
     model, tmp_path, passes, caplog, damage
 ):
@@ -121,8 +123,11 @@ def test_a_damaged_or_foreign_table_is_ignored_with_one_warning(
     elif damage == "foreign":  # another machine's table under this name
         data["key"] = "0" * 24
         text = json.dumps(data)
-    else:
+    elif damage == "wrong buckets":
         next(iter(data["shapes"].values()))["kernels"] = ["gemv"]
+        text = json.dumps(data)
+    else:
+        next(iter(data["shapes"].values()))["kernels"][0] = "fastest"
         text = json.dumps(data)
     with open(path, "w") as f:
         f.write(text)

@@ -42,6 +42,7 @@ from compile_runtime.cache.files import write_atomic
 from compile_runtime.cache.location import cache_root
 from compile_runtime.ops.c_library import cpu_identity, source_digest
 from compile_runtime.ops.cpu_linear import (
+    KERNELS,
     ROW_BUCKETS,
     built_in_kernel,
     candidates,
@@ -249,6 +250,9 @@ def _read(path: str, key: str, shapes: list[str]) -> TuningTable | None:
             raise ValueError("made for another CPU, thread count, kernel build or model")
         if any(len(c.kernels) != len(ROW_BUCKETS) for c in table.shapes.values()):
             raise ValueError("a shape's kernels do not match the row buckets")
+        unknown = {k for c in table.shapes.values() for k in c.kernels} - set(KERNELS)
+        if unknown:
+            raise ValueError(f"unknown kernels {sorted(unknown)}")
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as e:
         logger.warning("ignoring the kernel tuning table %s (%s); measuring again", path, e)
         return None
