@@ -183,7 +183,7 @@ int gemv_has_f32(void) { return 1; }
  * nothing while the weight streams from memory (the first group of x rows, ``stream_f32``),
  * but the later groups, which find the weight rows in L1 and are bound by arithmetic, take
  * 3 or 4 rows of x in two passes of at most 2 (``pass_f32``: 8 sums, 2 rows of x and a weight
- * vector in registers): 1.2-1.3x faster at 16-32 rows, the same sums in the same order. */
+ * vector in registers), the same sums in the same order. */
 /* The last K % 8 inputs of a tile (masked loads) into its MR x ROWS sums. */
 static inline void tail_f32(const float* x, int64_t x_stride, const float* w0, int64_t K,
                             int64_t k, int64_t tail, const int MR, __m256* acc) {

@@ -142,7 +142,8 @@ def load_model(
     weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
     changes the traced graph, so everything that traces a model for the cache
     key loads it here), and with ``cpu_tune_kernels`` each float weight shape gets the
-    kernel measured fastest on this CPU per row count (``ops/kernel_tuning.py``). ``hf_config``: the config already read (None: read it here).
+    kernel measured fastest on this CPU per row count (``ops/kernel_tuning.py``).
+    ``hf_config``: the config already read (None: read it here).
     ``quantization``: see ``resolve_quantization``.
     """
     if hf_config is None:

@@ -193,15 +193,18 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
 def process_weights_after_loading(module: nn.Module) -> PackedWeight | None:
     """Process one linear layer's loaded weight for the kernels that run it: a float weight
     oneDNN takes gets its packed copies (made afresh: it may have been written through
-    ``.data``), one only the GEMV reads a record without copies (both with the kernels
-    the layer's measured kernels, if any), a quantized one is rearranged in place (once).
+    ``.data``), one only the GEMV reads gets a record without copies, and either carries the
+    layer's measured kernels, if any; a quantized one is rearranged in place (once).
     Returns the record (``packed_weights.py``), or None for a weight run as it is."""
     weight = module.weight
     if is_quantized(weight):
         return pack_for_kernel(weight)
-    if not (can_pack(weight) or _gemv_reads(weight)):
+    if can_pack(weight):
+        entry = pack_weight(weight)
+    elif _gemv_reads(weight):
+        entry = record(weight)
+    else:
         return None
-    entry = pack_weight(weight) if can_pack(weight) else record(weight)
     entry.kernels = getattr(module, "linear_kernels", None)  # measured here (kernel_tuning.py)
     return entry
 

@@ -1,9 +1,8 @@
 """Which linear kernel is fastest for each weight shape and row count, measured on this CPU.
 
-The four kernels of ``cpu_linear.py`` rank differently from one CPU to the next: on an
-AMX Xeon the GEMV led oneDNN up to 16 float32 rows, on an AVX2-only AMD EPYC (Zen 3)
-oneDNN leads from 16 rows and MKL's ``F.linear`` beats oneDNN at 256 rows on SmolLM2's
-MLP weights. So at a model's first start on a machine, after its weights are processed
+The four kernels of ``cpu_linear.py`` rank differently from one CPU to the next (where the
+GEMV stops leading, whether MKL's ``F.linear`` or oneDNN leads at many rows: the README's
+"On a CPU" gives measured tables). So at a model's first start on a machine, after its weights are processed
 (``cpu_linear.pack_linear_weights``), ``tune_linear_kernels`` times every kernel that can
 run each float weight shape (``cpu_linear.candidates``) at each row bucket, on the
 model's own weights, going through all the weights of a shape in turn so they stream from
@@ -20,8 +19,9 @@ that loses a bucket by ``DROP_RATIO``, or any kernel that loses by ``HOPELESS``,
 timed at larger ones of the few-row buckets (the GEMV only falls further behind with more
 rows); past ``STREAMED_ROWS`` the GEMMs are timed again, each shape on a slice of one of its
 weights (arithmetic, not memory, decides there). Quantized weights have one kernel
-(``cpu_quant_gemm.py``): nothing to choose. ``COMPILE_RUNTIME_KERNEL_TUNING=0`` or ``RunnerConfig.cpu_tune_kernels=False``
-keeps the built-in choices (the same kernels on every machine).
+(``cpu_quant_gemm.py``): nothing to choose. ``COMPILE_RUNTIME_KERNEL_TUNING=0`` or
+``RunnerConfig.cpu_tune_kernels=False`` keeps the built-in choices (the same kernels on
+every machine).
 """
 
 from __future__ import annotations
