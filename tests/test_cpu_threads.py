@@ -62,3 +62,33 @@ def test_a_runner_process_sets_the_chosen_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_cores_are_counted_right_when_openmp_pins_its_threads():
+    """With OMP_PROC_BIND set, the OpenMP runtime pins the importing thread to one
+    core; counting its affinity mask would halve the threads on 2 cores."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from compile_runtime.worker.cpu_threads import usable_cores\n"
+        "print(usable_cores())\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env.update(OMP_PROC_BIND="close", OMP_PLACES="cores")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert int(out.stdout.strip()) == len(os.sched_getaffinity(0))
+
+
+def test_binding_switched_off_is_not_binding(monkeypatch):
+    for name in cpu_threads.BINDING_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    assert not cpu_threads.openmp_binds_threads()
+    monkeypatch.setenv("OMP_PROC_BIND", "false")
+    assert not cpu_threads.openmp_binds_threads()
+    monkeypatch.setenv("OMP_PROC_BIND", "spread")
+    assert cpu_threads.openmp_binds_threads()

@@ -33,7 +33,28 @@ SAMPLES = 5
 SAMPLE_INTERVAL_S = 0.002
 
 
+BINDING_VARIABLES = ("OMP_PROC_BIND", "OMP_PLACES", "GOMP_CPU_AFFINITY", "KMP_AFFINITY")
+
+
+def openmp_binds_threads() -> bool:
+    """Whether the user asked the OpenMP runtime to pin its threads (its env variables)."""
+    for name in BINDING_VARIABLES:
+        value = os.environ.get(name, "").strip().lower()
+        if value and value not in ("false", "disabled", "none"):
+            return True
+    return False
+
+
 def usable_cores() -> int:
+    """Cores this process may use.
+
+    When the OpenMP runtime pins its threads, it has already pinned this (its
+    initial) thread to one place by the time torch is imported, so the affinity
+    mask shows one core; the runtime's own default thread count was taken from
+    the mask before that, and is the count to trust then.
+    """
+    if openmp_binds_threads():
+        return max(1, torch.get_num_threads())
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
