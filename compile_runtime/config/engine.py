@@ -160,10 +160,28 @@ class RunnerConfig(CheckedConfig):
         "float checkpoint stays float ('none'); 'int8': a float checkpoint's linear weights "
         "quantized to int8 per block of 32 (Q8_0); 'none' dequantizes a GGUF file",
     )
+    # LoRA adapters (compile_runtime/lora/): vLLM's names and defaults.
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (requests name theirs with a LoRARequest)"
+    )
+    max_loras: int = Field(1, ge=1, description="distinct adapters in one step (slots), e.g. 4")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank accepted, e.g. 64")
+    max_cpu_loras: int | None = Field(
+        None, ge=1, description="adapters kept read in memory; None: max_loras"
+    )
     # CPU: torch/OpenMP threads of this process; None = free cores (worker/cpu_threads.py).
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of each rank; None uses the free cores"
     )
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_the_slots(self) -> RunnerConfig:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras={self.max_cpu_loras} is below max_loras={self.max_loras}; "
+                "keep at least as many adapters in memory as there are slots"
+            )
+        return self
 
     def check_model(self, hf_config: Any, model_dir: str) -> None:
         """Reject a max_model_len past the positions the model has (its rotary table ends there)."""

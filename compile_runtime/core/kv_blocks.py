@@ -212,6 +212,14 @@ class BlockPool:
 ROOT_HASH = hashlib.blake2b(b"compile_runtime prefix cache v1", digest_size=16).digest()
 
 
+def root_hash(request: Request) -> bytes:
+    """The parent of a request's first block: the same for every request of the base model,
+    its own per LoRA adapter (a block computed under one adapter holds that adapter's KV)."""
+    if request.lora_request is None:
+        return ROOT_HASH
+    return hashlib.blake2b(ROOT_HASH + request.lora_request.cache_salt, digest_size=16).digest()
+
+
 def hash_block(parent: bytes, token_ids: list[int]) -> bytes:
     """The content address of a full block with ``token_ids`` after the block ``parent``."""
     h = hashlib.blake2b(parent, digest_size=16)
@@ -232,7 +240,7 @@ def extend_block_hashes(request: Request, num_blocks: int, block_size: int) -> l
     tokens = request.prompt_token_ids[start : num_blocks * block_size]
     if len(tokens) < (num_blocks - len(hashes)) * block_size:  # reaches into the outputs
         tokens = request.all_token_ids[start : num_blocks * block_size]
-    parent = hashes[-1] if hashes else ROOT_HASH
+    parent = hashes[-1] if hashes else root_hash(request)
     for i in range(0, len(tokens) - block_size + 1, block_size):
         parent = hash_block(parent, tokens[i : i + block_size])
         hashes.append(parent)

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -60,6 +61,8 @@ class Request:
     # What stopped it, as vLLM reports it: a stop token id or a stop string; None for EOS,
     # max_tokens or an abort.
     stop_reason: int | str | None = None
+    # The LoRA adapter it runs under (None: the base model).
+    lora_request: LoRARequest | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

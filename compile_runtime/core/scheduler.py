@@ -84,9 +84,12 @@ class Scheduler:
         vocab_size: int | None = None,
         enable_prefix_caching: bool = True,
         structured_outputs: StructuredOutputManager | None = None,
+        max_loras: int | None = None,
     ) -> None:
         """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits;
-        ``structured_outputs`` holds constrained requests' grammars (None: none admitted)."""
+        ``structured_outputs`` holds constrained requests' grammars (None: none admitted);
+        ``max_loras``: distinct LoRA adapters the running requests may use at once (None:
+        requests with an adapter are refused)."""
         for name, value in (
             ("block_size", block_size),
             ("max_num_seqs", max_num_seqs),
@@ -124,6 +127,7 @@ class Scheduler:
         )
         self.enable_prefix_caching = enable_prefix_caching
         self.structured_outputs = structured_outputs
+        self.max_loras = max_loras
         self.prefix_cache_stats = PrefixCacheStats()
         self.spec_decode_stats = SpecDecodeStats()
 
@@ -168,6 +172,12 @@ class Scheduler:
                     "structured_outputs needs the model's tokenizer, and this engine has none"
                 )
             check_constraint(constraint)
+        if request.lora_request is not None and self.max_loras is None:
+            raise ValueError(
+                f"request {request.req_id!r} names LoRA adapter "
+                f"{request.lora_request.lora_name!r}, but this engine serves none; start it "
+                "with enable_lora=True (--enable-lora)"
+            )
 
     def abort_requests(
         self, req_ids: list[str], failed_step: SchedulerOutput | None = None
@@ -237,6 +247,7 @@ class Scheduler:
         # compiles is passed over, keeping its place (the rest go on); only with nothing else
         # to run does the last of the queue wait for its grammar.
         grammars = self._active_grammars()
+        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
         w = 0  # the queue position looked at
         while (
             not preempted_any
@@ -250,6 +261,12 @@ class Scheduler:
                 if not grammars.ready(req, wait=idle):
                     w += 1
                     continue
+            lora_id = req.lora_request.lora_int_id if req.lora_request else None
+            if lora_id is not None and lora_id not in adapters and len(adapters) >= (
+                self.max_loras or 0
+            ):  # every slot is taken by running requests: it waits, keeping its place
+                w += 1
+                continue
             cached = self._cached_prefix(req)
             num_cached = len(cached) * self.block_size
             num_new = self._num_tokens_to_compute(req, num_cached)
@@ -270,6 +287,8 @@ class Scheduler:
             req.num_cached_blocks = len(cached)
             req.num_computed_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            if lora_id is not None:
+                adapters.add(lora_id)
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             out.scheduled_new_reqs.append(
                 NewRequestData(
@@ -280,6 +299,7 @@ class Scheduler:
                     num_computed_tokens=req.num_computed_tokens,
                     output_token_ids=list(req.output_token_ids),
                     eos_token_ids=req.eos_token_ids,
+                    lora_request=req.lora_request,
                 )
             )
             out.num_scheduled_tokens[req.req_id] = num_new

@@ -15,6 +15,7 @@ import numpy as np
 
 from compile_runtime.core.request import Request, RequestStatus
 from compile_runtime.core.sampling_params import SamplingParams
+from compile_runtime.lora.request import LoRARequest
 
 
 @dataclass
@@ -31,6 +32,7 @@ class NewRequestData:
     # Tokens generated before a preemption: penalties and min_tokens count them.
     output_token_ids: list[int] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()
+    lora_request: LoRARequest | None = None
 
 
 @dataclass

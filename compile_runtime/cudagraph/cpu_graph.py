@@ -72,7 +72,10 @@ def _op_bodies() -> dict[str, Callable[..., Any]]:
     from compile_runtime.ops.cpu_quant_embedding import OP_NAME as EMBEDDING
     from compile_runtime.ops.cpu_quant_embedding import quant_embedding_impl
 
-    return {LINEAR: cpu_linear_impl, EMBEDDING: quant_embedding_impl}
+    from compile_runtime.ops.cpu_lora import OP_NAME as LORA
+    from compile_runtime.ops.cpu_lora import lora_add_impl
+
+    return {LINEAR: cpu_linear_impl, EMBEDDING: quant_embedding_impl, LORA: lora_add_impl}
 
 
 @functools.cache

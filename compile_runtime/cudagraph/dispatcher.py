@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -44,10 +44,13 @@ class BatchDescriptor:
     num_tokens: int
     num_reqs: int | None = None  # None: any number of requests
     uniform: bool = False  # a uniform decode batch (is_uniform_decode): the decode graphs
+    # Some token of the batch runs a LoRA adapter: its graphs hold the LoRA calls, those of
+    # the same batch without adapters do not (ops/cpu_lora.py).
+    has_lora: bool = False
 
     def relaxed(self) -> BatchDescriptor:
         """The mixed-batch form: same token count, any requests, any query lengths."""
-        return BatchDescriptor(self.num_tokens)
+        return BatchDescriptor(self.num_tokens, has_lora=self.has_lora)
 
 
 def padding_table(sizes: Collection[int]) -> tuple[int, ...]:
@@ -85,11 +88,16 @@ class CudagraphDispatcher:
         self._decode_pad: tuple[int, ...] = (0,)
         self._mixed_desc: dict[int, BatchDescriptor] = {}
         self._decode_desc: dict[int, BatchDescriptor] = {}
+        self.lora = False  # whether keys come in pairs, without and with LoRA adapters
 
     def initialize_keys(
-        self, resolved_mode: CUDAGraphMode | ResolvedModes, uniform_decode_query_len: int = 1
+        self,
+        resolved_mode: CUDAGraphMode | ResolvedModes,
+        uniform_decode_query_len: int = 1,
+        lora: bool = False,
     ) -> None:
-        """Build the graph keys for ``resolved_mode`` (after ``CompilationConfig.resolve``)."""
+        """Build the graph keys for ``resolved_mode`` (after ``CompilationConfig.resolve``);
+        with ``lora``, each key also in its ``has_lora`` form."""
         if isinstance(resolved_mode, ResolvedModes):
             resolved_mode = resolved_mode.cudagraph_mode
         if uniform_decode_query_len < 1:
@@ -116,11 +124,12 @@ class CudagraphDispatcher:
         self._decode_desc = {s: BatchDescriptor(s, s // q, uniform=True) for s in decode_sizes}
         self._mixed_pad = padding_table(mixed_sizes)
         self._decode_pad = padding_table(decode_sizes)
+        self.lora = lora
         self.keys = {PIECEWISE: [], FULL: []}
         if mixed != NONE:
-            self.keys[mixed] += self._mixed_desc.values()
+            self.keys[mixed] += self._with_lora_forms(self._mixed_desc.values())
         if decode_sizes:
-            self.keys[decode] += self._decode_desc.values()
+            self.keys[decode] += self._with_lora_forms(self._decode_desc.values())
         self.keys_initialized = True
         self._check_compile_sizes()
         logger.info(
@@ -130,6 +139,11 @@ class CudagraphDispatcher:
             len(self.keys[FULL]),
             max(self.capture_sizes, default=0),
         )
+
+    def _with_lora_forms(self, descriptors: Collection[BatchDescriptor]) -> list[BatchDescriptor]:
+        if not self.lora:
+            return list(descriptors)
+        return [d for base in descriptors for d in (base, replace(base, has_lora=True))]
 
     def _check_compile_sizes(self) -> None:
         """Every compile size a mixed batch can have must survive padding.
@@ -159,13 +173,28 @@ class CudagraphDispatcher:
         num_tokens: int,
         uniform_decode: bool = False,
         invalid_modes: Collection[CUDAGraphMode] = (),
+        has_lora: bool = False,
     ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         """The runtime mode and padded descriptor for a batch of ``num_tokens``.
 
         A uniform decode batch takes its own (FULL) graph when one exists;
         anything else takes the mixed mode's graph; otherwise NONE with the
-        exact count. ``invalid_modes`` rules modes out for this batch.
+        exact count. ``invalid_modes`` rules modes out for this batch. ``has_lora``: some
+        token runs an adapter (the descriptor says so, whatever the mode).
         """
+        mode, descriptor = self._dispatch(num_tokens, uniform_decode, invalid_modes)
+        if has_lora:
+            if not self.lora and mode != NONE:
+                raise ValueError(
+                    "a batch with LoRA adapters on a dispatcher built without LoRA keys; "
+                    "initialize_keys(..., lora=True) when the engine enables LoRA"
+                )
+            descriptor = replace(descriptor, has_lora=True)
+        return mode, descriptor
+
+    def _dispatch(
+        self, num_tokens: int, uniform_decode: bool, invalid_modes: Collection[CUDAGraphMode]
+    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
         if uniform_decode and num_tokens < len(self._decode_pad) and num_tokens > 0:
             mode = self._decode_mode
             if mode not in invalid_modes:
@@ -193,7 +222,11 @@ class CudagraphDispatcher:
         pad to the next size of the same kind, or take the other mode, or run unreplayed."""
         if descriptor not in self.keys.get(mode, []):
             raise ValueError(f"no {mode.name} graph key {descriptor} to discard")
-        self.keys[mode].remove(descriptor)
+        # Both LoRA forms of a size go together: the padding tables are per size.
+        for form in self._with_lora_forms([replace(descriptor, has_lora=False)]):
+            if form in self.keys[mode]:
+                self.keys[mode].remove(form)
+        descriptor = replace(descriptor, has_lora=False)
         table = self._decode_desc if descriptor in self._decode_desc.values() else self._mixed_desc
         table.pop(descriptor.num_tokens, None)
         self._decode_pad = padding_table(self._decode_desc)

@@ -58,6 +58,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = _param((out, input_size), self._shard)
         self.bias = _param((out,), self._shard) if bias else None
         _init_like_linear(self.weight, self.bias, input_size)
+        self.lora: nn.Module | None = None  # adapter slots (lora/slots.py) when LoRA is on
 
     def _shard(self, shard_id: object) -> tuple[int, int, int] | None:
         if self.world_size == 1:
@@ -66,7 +67,10 @@ class ColumnParallelLinear(nn.Module):
         return 0, self.rank * size, size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, self.use_packed_weight)
+        y = linear(x, self.weight, self.bias, self.use_packed_weight)
+        if self.lora is not None:
+            self.lora(x, y)
+        return y
 
     def extra_repr(self) -> str:
         return (
@@ -102,6 +106,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.weight = _param((out, hidden_size), self._shard)
         self.bias = _param((out,), self._shard) if bias else None
         _init_like_linear(self.weight, self.bias, hidden_size)
+        self.lora: nn.Module | None = None
 
     def _shard(self, shard_id: object) -> tuple[int, int, int] | None:
         if self.world_size == 1:
@@ -128,6 +133,7 @@ class RowParallelLinear(nn.Module):
         self.weight = _param((output_size, self.input_size_per_rank), self._weight_shard)
         self.bias = _param((output_size,), lambda _: None) if bias else None
         _init_like_linear(self.weight, self.bias, self.input_size_per_rank)
+        self.lora: nn.Module | None = None  # adapter slots (lora/slots.py) when LoRA is on
 
     def _weight_shard(self, shard_id: object) -> tuple[int, int, int] | None:
         if self.world_size == 1:
@@ -137,8 +143,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:
-            return linear(x, self.weight, self.bias, self.use_packed_weight)
-        y = tensor_parallel_all_reduce(linear(x, self.weight, None, self.use_packed_weight))
+            y = linear(x, self.weight, self.bias, self.use_packed_weight)
+            if self.lora is not None:
+                self.lora(x, y)
+            return y
+        y = linear(x, self.weight, None, self.use_packed_weight)
+        if self.lora is not None:  # this rank's partial sum, added up by the all-reduce
+            self.lora(x, y)
+        y = tensor_parallel_all_reduce(y)
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:

@@ -20,6 +20,8 @@ from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.core.structured_output import StructuredOutputManager
 from compile_runtime.executor import Executor, ExecutorError
+from compile_runtime.lora.adapter import AdapterChecker
+from compile_runtime.lora.request import LoRARequest
 
 
 class StepFailedError(RuntimeError):
@@ -68,7 +70,9 @@ class EngineCore:
         tokenizer: Any,
         vocab_size: int | None,
         eos_token_ids: list[int],
+        hf_config: Any = None,
     ):
+        """``hf_config``: the model's config, which adapters are checked against (LoRA)."""
         sizes = config.runner_config
         grammars = (
             StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)
@@ -86,21 +90,32 @@ class EngineCore:
             vocab_size=vocab_size,
             enable_prefix_caching=sizes.enable_prefix_caching,
             structured_outputs=grammars,
+            max_loras=sizes.max_loras if sizes.enable_lora else None,
         )
+        self.adapters = AdapterChecker(sizes, hf_config) if sizes.enable_lora else None
         self._ids = itertools.count()
 
-    def make_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+    def make_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None = None,
+    ) -> Request:
         """A request with a fresh id and this model's EOS ids, not yet checked or queued."""
         return Request(
             req_id=str(next(self._ids)),
             prompt_token_ids=prompt_token_ids,
             sampling_params=params,
             eos_token_ids=self.eos_token_ids,
+            lora_request=lora_request,
         )
 
     def check(self, request: Request) -> None:
-        """ValueError naming what is wrong with ``request`` (nothing is queued)."""
+        """ValueError naming what is wrong with ``request`` (nothing is queued); its LoRA
+        adapter read and checked against the model (``LoRAAdapterError``)."""
         self.scheduler.check_request(request)
+        if request.lora_request is not None and self.adapters is not None:
+            self.adapters.check(request.lora_request)
 
     def add(self, requests: list[Request]) -> None:
         self.scheduler.add_requests(requests)

@@ -32,6 +32,7 @@ from compile_runtime.engine.engine_config import decide_engine_config
 from compile_runtime.engine.offline_call import OfflineCall
 from compile_runtime.engine.outputs import GenerateStats, RequestOutput
 from compile_runtime.executor import Executor, make_executor
+from compile_runtime.lora.request import LoRARequest
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
@@ -66,6 +67,7 @@ class LLM:
             self.tokenizer,
             getattr(hf_config, "vocab_size", None),
             eos_token_ids(self.config.model_dir, hf_config, self.tokenizer),
+            hf_config,
         )
         self.last_stats = GenerateStats()
         logger.info(self.startup.summary())
@@ -128,12 +130,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for each prompt: text, token ids, or vLLM's prompt dicts
         (``{"prompt": text}``, ``{"prompt_token_ids": ids}``), one or a list; outputs in
-        input order, each with ``n`` samples in ``outputs``."""
+        input order, each with ``n`` samples in ``outputs``. ``lora_request``: the adapter
+        of every prompt, or one per prompt (None: the base model; needs enable_lora)."""
         texts, token_lists = self._tokenize(prompts)
-        return self._run(texts, token_lists, sampling_params, use_tqdm)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, lora_request)
 
     def chat(
         self,
@@ -144,6 +148,7 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of ``{"role", "content"}``) or a list of them,
         each through the model's chat template (with ``tools``, for templates that take
@@ -160,7 +165,7 @@ class LLM:
             for c in conversations
         ]
         texts = [self.tokenizer.decode(ids) for ids in token_lists]
-        return self._run(texts, token_lists, sampling_params, use_tqdm)
+        return self._run(texts, token_lists, sampling_params, use_tqdm, lora_request)
 
     def _run(
         self,
@@ -168,6 +173,7 @@ class LLM:
         token_lists: list[list[int]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None,
         use_tqdm: bool,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -178,7 +184,16 @@ class LLM:
         )
         if len(params) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(params)} SamplingParams")
-        call = OfflineCall(self.core, self.tokenizer, texts, token_lists, params, use_tqdm)
+        loras = (
+            list(lora_request)
+            if isinstance(lora_request, Sequence)
+            else [lora_request] * len(token_lists)
+        )
+        if len(loras) != len(token_lists):
+            raise ValueError(f"{len(token_lists)} prompts but {len(loras)} LoRA requests")
+        call = OfflineCall(
+            self.core, self.tokenizer, texts, token_lists, params, use_tqdm, loras
+        )
         while not call.done:
             call.step()
         outputs = call.outputs()

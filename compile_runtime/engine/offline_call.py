@@ -19,6 +19,7 @@ from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.core import EngineCore, StepFailedError
 from compile_runtime.engine.incremental_text import IncrementalText
 from compile_runtime.engine.outputs import CompletionOutput, GenerateStats, RequestOutput
+from compile_runtime.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +33,15 @@ class OfflineCall:
         token_lists: list[list[int]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        loras: list[LoRARequest | None] | None = None,
     ):
         """Make one request per sample of each prompt, check them all, then queue them (a bad
         one is a ValueError naming its prompt, with nothing of the call queued)."""
         self.core, self.tokenizer, self.texts = core, tokenizer, texts
+        loras = loras or [None] * len(token_lists)
         self.samples = [  # a seed goes up by one from each sample to the next
-            [core.make_request(list(tokens), sample_params(p, i)) for i in range(p.n)]
-            for tokens, p in zip(token_lists, params, strict=True)
+            [core.make_request(list(tokens), sample_params(p, i), lora) for i in range(p.n)]
+            for tokens, p, lora in zip(token_lists, params, loras, strict=True)
         ]
         self.requests = [r for group in self.samples for r in group]
         for r in self.requests:

@@ -48,6 +48,7 @@ def plan_cudagraphs(
     uniform_decode_query_len: int,
     device: torch.device,
     graph_factory: GraphFactory | None = None,
+    lora: bool = False,
 ) -> CudaGraphPlan:
     """The plan for ``model`` once traced; ``dispatcher`` (its capture sizes resolved when it
     was built) gets the keys of the resolved mode. ``graph_factory``: CPU graphs on a CPU
@@ -59,7 +60,7 @@ def plan_cudagraphs(
         cuda_available=device.type == "cuda",
         cpu_graphs=device.type == "cpu" and graph_factory is not None,
     )
-    dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len)
+    dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len, lora=lora)
     forward_model = bare_model = model.model
     if modes.cudagraph_mode.has_full_cudagraphs():
         forward_model = wrap_full_model(bare_model, config, graph_factory=graph_factory)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from compile_runtime.lora.request import LoRARequest
+
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler_output import NewRequestData
 from compile_runtime.worker.sampling_metadata import make_generator
@@ -34,6 +36,7 @@ class RequestState:
     output_token_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
     plain_argmax: bool = False  # sampling_params.plain_argmax, read once
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 class InputBatch:
@@ -86,6 +89,7 @@ class InputBatch:
             output_token_ids=list(new.output_token_ids),
             generator=generator,
             plain_argmax=new.sampling_params.plain_argmax,
+            lora_request=new.lora_request,
         )
         self.requests[new.req_id] = state
         if new.sampling_params.prompt_logprobs is not None:

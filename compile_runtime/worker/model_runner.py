@@ -45,6 +45,7 @@ from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.device import resolve_device
 from compile_runtime.distributed import get_tp_rank, get_tp_world_size
 from compile_runtime.forward_context import set_forward_context
+from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.capture_sizes import cpu_capture_config
@@ -126,6 +127,7 @@ class ModelRunner:
             quantization=self.config.quantization,
         )
         self.startup = StartupTimes(weights=time.perf_counter() - start)
+        self.lora: LoRAManager | None = None  # adapter slots, in the graph before its trace
         # On a CPU, CPU graphs (native calls replayed from C): pieces wrapped at first forward.
         self.graph_factory: GraphFactory | None = None
         if self.device.type == "cpu" and records_cpu_graphs(compilation_config):
@@ -148,6 +150,16 @@ class ModelRunner:
         self.uniform_decode_query_len = 1 + (spec.num_speculative_tokens if spec else 0)
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        if c.enable_lora:
+            self.lora = LoRAManager(
+                self.model,
+                max_loras=c.max_loras,
+                max_rank=c.max_lora_rank,
+                max_cpu_loras=c.max_cpu_loras or c.max_loras,
+                max_num_tokens=self.max_num_tokens,
+                dtype=dtype,
+                device=self.device,
+            )
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
         self.buffers = StepBuffers(self.max_num_tokens, self.device)
         self.metadata_groups = metadata_groups(
@@ -204,6 +216,7 @@ class ModelRunner:
             uniform_decode_query_len=self.uniform_decode_query_len,
             device=self.device,
             graph_factory=self.graph_factory,
+            lora=self.lora is not None,
         )
         self.num_blocks = allocate_kv_cache_for(
             self.config, self.layers, self.dtype, self.device, self._allocated_at_start, times
@@ -303,7 +316,15 @@ class ModelRunner:
         uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
         self.workload.record(total, uniform_decode)
 
-        mode, descriptor = self.dispatcher.dispatch(total, uniform_decode)
+        has_lora = False
+        if self.lora is not None:
+            padded_size = self.dispatcher.padded_size(total, uniform_decode) or total
+            has_lora = self.lora.prepare_step(
+                [batch.requests[r].lora_request for r in step.req_ids],
+                step.num_scheduled,
+                max(padded_size, total),
+            )
+        mode, descriptor = self.dispatcher.dispatch(total, uniform_decode, has_lora=has_lora)
         unreplayed = None
         if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
             unreplayed = self.dispatcher.unreplayed_reason(total)
