@@ -128,6 +128,9 @@ def _engine(args: argparse.Namespace):
             "max_model_len",
             "kv_cache_bytes",
             "kv_cache_memory_fraction",
+            "max_loras",
+            "max_lora_rank",
+            "max_cpu_loras",
         )
         if getattr(args, name) is not None
     }
@@ -143,6 +146,7 @@ def _engine(args: argparse.Namespace):
         num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
         speculative_config=args.speculative_config,
+        enable_lora=args.enable_lora,
         **sizes,
     )
 
@@ -250,6 +254,20 @@ def build_parser() -> argparse.ArgumentParser:
         "Hermes, Qwen 2-3, SmolLM3), llama3_json (Llama 3.1-3.3)",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters served by name (a request's model field), each name=PEFT directory "
+        "or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)",
+    )
+    serve.add_argument(
+        "--allow-runtime-lora-updating",
+        action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or set "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    serve.add_argument(
         "--disable-access-log",
         action="store_true",
         help="no INFO line per request (method, path, status, tokens, seconds)",
@@ -346,6 +364,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
     )
     p.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)"
+    )
+    p.add_argument(
+        "--max-loras", type=positive_int, default=None, help="adapters in one step (default 1)"
+    )
+    p.add_argument(
+        "--max-lora-rank", type=positive_int, default=None, help="largest rank (default 16)"
+    )
+    p.add_argument(
+        "--max-cpu-loras",
+        type=positive_int,
+        default=None,
+        help="adapters kept read in memory (default: --max-loras)",
+    )
+    p.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -359,6 +392,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
 
     if args.distributed_executor_backend is None and (args.device or default_device()) == "cpu":
         # The model in a worker process, so the step loop does not share this process's GIL

@@ -47,25 +47,28 @@ def make_peft_adapter(
 def peft_greedy(
     base_model, adapter_dir: str | None, prompts: Sequence[Sequence[int]], max_tokens: int
 ) -> list[list[int]]:
-    """transformers + PEFT greedy tokens of each prompt (one at a time, no EOS stop)."""
+    """transformers + PEFT greedy tokens of each prompt (one at a time, EOS an ordinary token)."""
     from peft import PeftModel
 
     model = base_model
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(base_model, adapter_dir).eval()
     outs = []
-    with torch.no_grad():
-        for prompt in prompts:
+    with torch.no_grad():  # generate's greedy loop, without its EOS handling (min_new_tokens
+        for prompt in prompts:  # would forbid EOS, where an engine's ignore_eos only goes on)
             ids = torch.tensor([list(prompt)])
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_tokens,
-                min_new_tokens=max_tokens,
-                do_sample=False,
-                pad_token_id=0,
-            )
-            outs.append(out[0, ids.shape[1] :].tolist())
+            out = model(input_ids=ids, use_cache=True)
+            tokens: list[int] = []
+            while True:
+                tokens.append(int(out.logits[0, -1].argmax()))
+                if len(tokens) == max_tokens:
+                    break
+                out = model(
+                    input_ids=torch.tensor([[tokens[-1]]]),
+                    past_key_values=out.past_key_values,
+                    use_cache=True,
+                )
+            outs.append(tokens)
     if adapter_dir is not None:
         model.unload()
     return outs

@@ -26,7 +26,9 @@ from compile_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from compile_runtime.version import __version__
 
@@ -82,7 +84,21 @@ def build_app(server: Server) -> FastAPI:
             "max_model_len": server.max_model_len,
             "permission": [PERMISSION | {"id": f"modelperm-{server.model_name}"}],
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": server.adapters.cards(card)}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        server.adapters.check_updating()
+        server.adapters.add(body.lora_name, body.lora_path)
+        message = f"Success: LoRA adapter '{body.lora_name}' added successfully."
+        return Response(message, media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        server.adapters.check_updating()
+        server.adapters.remove(body.lora_name)
+        message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
+        return Response(message, media_type="text/plain")
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -95,10 +111,10 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         tok = server.llm.tokenizer
-        return tokenization.tokenize(body, tok, server.model_name, server.max_model_len)
+        return tokenization.tokenize(body, tok, server.adapters, server.max_model_len)
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return tokenization.detokenize(body, server.llm.tokenizer, server.model_name)
+        return tokenization.detokenize(body, server.llm.tokenizer, server.adapters)
 
     return app

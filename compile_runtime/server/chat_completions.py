@@ -15,7 +15,6 @@ from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     chat_token_ids,
     check_length,
-    check_model,
     output_constraint,
     sampling_params,
 )
@@ -64,7 +63,7 @@ def _message(
 
 
 async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts) -> Any:
-    check_model(body.model, server.model_name)
+    lora_request = server.adapters.resolve(body.model)
     check_fields(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
@@ -88,8 +87,8 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         body, max_tokens, max_field, k, "top_logprobs", body.prompt_logprobs,
         tool_call or constraint,
     )  # fmt: skip
-    choices = server.submit([ids], params, ("messages", max_field), tokens)
-    payload = openai_format.envelope("chatcmpl", server.model_name)
+    choices = server.submit([ids], params, ("messages", max_field), tokens, lora_request)
+    payload = openai_format.envelope("chatcmpl", body.model or server.model_name)
 
     if body.stream:
         every = body.stream_options is not None and body.stream_options.continuous_usage_stats

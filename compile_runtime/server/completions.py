@@ -11,7 +11,6 @@ from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     DEFAULT_COMPLETION_TOKENS,
-    check_model,
     output_constraint,
     prompt_token_ids,
     sampling_params,
@@ -24,7 +23,7 @@ from compile_runtime.server.unsupported import check_fields
 
 
 async def completions(server: Server, body: CompletionRequest, tokens: TokenCounts) -> Any:
-    check_model(body.model, server.model_name)
+    lora_request = server.adapters.resolve(body.model)
     check_fields(body)
     if body.echo and body.stream:
         raise APIError(400, "echo is not supported with stream=true; drop one", "echo")
@@ -37,8 +36,8 @@ async def completions(server: Server, body: CompletionRequest, tokens: TokenCoun
         body, max_tokens, "max_tokens", k, "logprobs", max(scored, default=None),
         output_constraint(body),
     )  # fmt: skip
-    choices = server.submit(prompts, params, ("prompt", "max_tokens"), tokens)
-    envelope = openai_format.envelope("cmpl", server.model_name)
+    choices = server.submit(prompts, params, ("prompt", "max_tokens"), tokens, lora_request)
+    envelope = openai_format.envelope("cmpl", body.model or server.model_name)
 
     def payload(choices_json: list[dict], usage: dict | None = None) -> dict:
         return envelope("text_completion", choices_json, usage)

@@ -23,11 +23,6 @@ OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "fre
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", *GUIDED)
 
 
-def check_model(requested: str | None, model_name: str) -> None:
-    if requested is not None and requested != model_name:
-        raise APIError(400, f"model {requested!r} is not served here; use {model_name!r}", "model")
-
-
 def sampling_params(
     body: SamplingFields,
     max_tokens: int,

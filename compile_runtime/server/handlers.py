@@ -14,7 +14,9 @@ from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import check_length
+from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server.errors import APIError
+from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
 
 
@@ -27,7 +29,10 @@ class Server:
         model_path: str | None = None,
         max_waiting: int = 256,
         tool_call_parser: str | None = None,
+        lora_modules: list[tuple[str, str]] | None = None,
+        runtime_lora_updating: bool = False,
     ):
+        """``lora_modules``: (name, directory) of each adapter served from the start."""
         self.llm = llm
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
@@ -36,6 +41,12 @@ class Server:
         self.engine: AsyncEngine | None = None
         self.metrics: ServerMetrics | None = None
         self.created = int(time.time())
+        self.adapters = ServedAdapters(model_name, llm.core, runtime_lora_updating)
+        for name, path in lora_modules or []:
+            try:
+                self.adapters.add(name, path)
+            except APIError as e:
+                raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
 
     @property
     def max_model_len(self) -> int:
@@ -56,12 +67,15 @@ class Server:
         params: list[SamplingParams],
         fields: tuple[str, str],  # the request's names of the prompt and of max_tokens
         tokens: TokenCounts,
+        lora_request: LoRARequest | None = None,
     ) -> list[Choice]:
         """Check every request of the call, then queue them all (or none)."""
         for p in prompts:
             check_length(len(p), params[0].max_tokens, self.max_model_len, *fields)
         engine = self.engine
-        requests = [self.llm.core.make_request(p, sp) for p in prompts for sp in params]
+        requests = [
+            self.llm.core.make_request(p, sp, lora_request) for p in prompts for sp in params
+        ]
         for r in requests:
             try:
                 self.llm.core.check(r)

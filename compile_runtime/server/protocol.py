@@ -116,3 +116,17 @@ class TokenizeRequest(ChatTemplateFields):
 class DetokenizeRequest(OpenAIModel):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``/v1/load_lora_adapter`` body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None

@@ -6,6 +6,7 @@ import argparse
 import logging
 
 from compile_runtime.engine.llm import LLM
+from compile_runtime.server.lora_modules import parse_lora_module, runtime_updating_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +23,8 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         model_path=args.model,
         max_waiting=args.max_waiting,
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+        lora_modules=[parse_lora_module(m) for m in args.lora_modules or []],
+        runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env(),
     )
     if not args.disable_access_log:  # one INFO line per request (access_log.py)
         logging.getLogger("compile_runtime.server.access").setLevel(logging.INFO)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compile_runtime.server.engine_inputs import chat_token_ids, check_model
+from compile_runtime.server.engine_inputs import chat_token_ids
 from compile_runtime.server.errors import APIError
 from compile_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 
@@ -17,9 +17,10 @@ def _tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def tokenize(body: TokenizeRequest, tokenizer: Any, model_name: str, max_model_len: int) -> dict:
-    """``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when asked)."""
-    check_model(body.model, model_name)
+def tokenize(body: TokenizeRequest, tokenizer: Any, served: Any, max_model_len: int) -> dict:
+    """``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when asked); ``served``:
+    the models asked for by name (``lora_modules.ServedAdapters``)."""
+    served.resolve(body.model)
     tok = _tokenizer(tokenizer)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
@@ -34,9 +35,9 @@ def tokenize(body: TokenizeRequest, tokenizer: Any, model_name: str, max_model_l
     return out
 
 
-def detokenize(body: DetokenizeRequest, tokenizer: Any, model_name: str) -> dict:
+def detokenize(body: DetokenizeRequest, tokenizer: Any, served: Any) -> dict:
     """``{"prompt": text}`` of the token ids."""
-    check_model(body.model, model_name)
+    served.resolve(body.model)
     tok = _tokenizer(tokenizer)
     vocab_size = len(tok)
     bad = next((t for t in body.tokens if not 0 <= t < vocab_size), None)
