@@ -137,8 +137,8 @@ def test_a_refused_capture_falls_back_for_that_size_and_names_the_op(
     runner = llm.executor.driver_runner
     report = runner.capture_report
     assert {key for key in report.failed if "num_tokens=2," in key} == {
-        "PIECEWISE BatchDescriptor(num_tokens=2, num_reqs=None, uniform=False)",
-        "FULL BatchDescriptor(num_tokens=2, num_reqs=2, uniform=True)",
+        "PIECEWISE BatchDescriptor(num_tokens=2, num_reqs=None, uniform=False, has_lora=False)",
+        "FULL BatchDescriptor(num_tokens=2, num_reqs=2, uniform=True, has_lora=False)",
     }
     assert all("aten.clone" in why for key, why in report.failed.items() if "=2," in key)
     assert "aten.clone" in report.summary()

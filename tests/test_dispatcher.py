@@ -187,3 +187,27 @@ def test_uniform_decode_is_every_request_at_the_decode_query_length():
     assert is_uniform_decode([1, 1, 1]) and is_uniform_decode([4, 4], query_len=4)
     assert not is_uniform_decode([1, 2]) and not is_uniform_decode([1, 1], query_len=4)
     assert not is_uniform_decode([])  # no request: nothing to decode
+
+
+def test_lora_keys_come_in_pairs_and_dispatch_by_the_flag():
+    """With LoRA enabled every graph key exists with and without adapters; a batch's
+    has_lora picks its form, same padding; discarding a size drops both forms."""
+    d = CudagraphDispatcher(
+        cr.CompilationConfig(cudagraph_capture_sizes=[1, 2, 4]), max_num_tokens=8, max_num_reqs=8
+    )
+    d.initialize_keys(M.FULL_AND_PIECEWISE, lora=True)
+    assert sorted((k.num_tokens, k.has_lora) for k in d.keys[FULL]) == [
+        (s, lora) for s in (1, 2, 4) for lora in (False, True)
+    ]
+    with_lora = BD(4, 4, uniform=True, has_lora=True)
+    assert d.dispatch(3, uniform_decode=True, has_lora=True) == (FULL, with_lora)
+    assert d.dispatch(3, uniform_decode=True) == (FULL, BD(4, 4, uniform=True))
+    assert d.dispatch(3, has_lora=True) == (PW, BD(4, has_lora=True))
+    d.discard(FULL, BD(4, 4, uniform=True, has_lora=True))
+    assert all(k.num_tokens != 4 for k in d.keys[FULL])
+    plain = CudagraphDispatcher(
+        cr.CompilationConfig(cudagraph_capture_sizes=[1, 2]), max_num_tokens=8
+    )
+    plain.initialize_keys(M.PIECEWISE)
+    with pytest.raises(ValueError, match="lora=True"):
+        plain.dispatch(2, has_lora=True)

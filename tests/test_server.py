@@ -156,6 +156,13 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     assert aborted == aborted_before + 1
 
 
+def test_an_unknown_model_is_a_404_as_vllm_answers(server):
+    with pytest.raises(openai.NotFoundError, match="`not-this-one` does not exist") as err:
+        server.client.completions.create(model="not-this-one", prompt=PROMPTS[0], max_tokens=4)
+    assert err.value.status_code == 404
+    assert err.value.body["param"] == "model" and err.value.body["type"] == "not_found_error"
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -167,13 +174,6 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server):
     ],
     ids=["temperature", "long prompt", "max_tokens", "token id", "empty"],
 )
-def test_an_unknown_model_is_a_404_as_vllm_answers(server):
-    with pytest.raises(openai.NotFoundError, match="`not-this-one` does not exist") as err:
-        server.client.completions.create(model="not-this-one", prompt=PROMPTS[0], max_tokens=4)
-    assert err.value.status_code == 404
-    assert err.value.body["param"] == "model" and err.value.body["type"] == "not_found_error"
-
-
 def test_bad_requests_are_400_and_the_server_goes_on(server, offline, kwargs, match):
     request = {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 12, **kwargs}
     with pytest.raises(openai.BadRequestError, match=match) as err:
