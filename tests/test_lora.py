@@ -210,3 +210,19 @@ def test_prefix_cache_keeps_adapters_apart(llm, adapters, reference):
     assert tuned != base
     again = _tokens(llm, adapters["a2"], [long_prompt])
     assert llm.prefix_cache_stats.hits > before and again == tuned
+
+
+@pytest.mark.slow
+def test_tensor_parallel_adapters_give_the_one_rank_tokens(base_dir, adapters, reference):
+    """TP=2 over worker processes: each rank holds its share of every adapter (B's rows on
+    column-parallel q/k/v and gate/up, A's columns on row-parallel o and down)."""
+    llm = cr.LLM(base_dir, {"backend": "eager"}, dtype="float32", tensor_parallel_size=2,
+                 enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                 max_model_len=64)  # fmt: skip
+    try:
+        mixed = [adapters["a1"], None, adapters["a2"]]
+        assert _tokens(llm, mixed) == [
+            reference["a1"][0], reference["base"][1], reference["a2"][2],
+        ]  # fmt: skip
+    finally:
+        llm.shutdown()
