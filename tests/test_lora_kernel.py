@@ -18,7 +18,7 @@ def _case(dtype, n=7, slots=3, rank=8, in_features=40, parts=(24, 8, 8)):
     g = torch.Generator().manual_seed(0)
     out = sum(parts)
     a = torch.randn(slots, len(parts), rank, in_features, generator=g).to(dtype)
-    b = torch.randn(slots, out, rank, generator=g).to(dtype)
+    b = torch.randn(slots, rank, out, generator=g).to(dtype)  # B^T per slot
     ranks = torch.tensor([[8, 4, 0], [2, 2, 2], [8, 8, 8]], dtype=torch.int32)[:slots]
     for s in range(slots):  # zero past each rank, as the slots hold them
         for j in range(len(parts)):
@@ -41,7 +41,7 @@ def _peft_formula(y, x, token_slots, a, b, ranks, sub_of):
             r = int(ranks[s, j])
             cols = (sub_of == j).nonzero().squeeze(1)
             h = a[s, j, :r].double() @ x[t].double()
-            want[t, cols] += b[s][cols][:, :r].double() @ h
+            want[t, cols] += b[s, :r][:, cols].double().T @ h
     return want
 
 

@@ -8,18 +8,14 @@
 
 /* Work below this many multiply-adds runs on the calling thread. */
 #define PARALLEL_WORK 32768
+/* Output columns one expand task adds at a time (a float accumulator each). */
+#define EXPAND_CHUNK 64
 
 #define DEFINE_LORA_ADD(NAME, T, LOAD, STORE)                                                  \
     static inline float NAME##_dot(const T* w, const T* v, int64_t len) {                      \
         float acc = 0.0f;                                                                      \
         _Pragma("omp simd reduction(+ : acc)") for (int64_t i = 0; i < len; i++)               \
             acc += LOAD(w[i]) * LOAD(v[i]);                                                    \
-        return acc;                                                                            \
-    }                                                                                          \
-    static inline float NAME##_dot_h(const T* w, const float* h, int64_t len) {                \
-        float acc = 0.0f;                                                                      \
-        _Pragma("omp simd reduction(+ : acc)") for (int64_t i = 0; i < len; i++)               \
-            acc += LOAD(w[i]) * h[i];                                                          \
         return acc;                                                                            \
     }                                                                                          \
     void NAME(const T* x, int64_t x_stride, T* y, int64_t y_stride, int64_t n,                 \
@@ -43,19 +39,39 @@
                                     x + t * x_stride, in)                                      \
                        : 0.0f;                                                                 \
         }                                                                                      \
-        const int64_t expand = n * out;                                                        \
+        /* The expand: B is stored k-major ([slots, max_rank, out]), so each token adds         \
+         * h[k] * B[k, cols] over contiguous columns, in chunks that stay inside one part. */   \
+        int64_t chunk_start[out / EXPAND_CHUNK + num_subs + 1];                                 \
+        int64_t chunk_part[out / EXPAND_CHUNK + num_subs + 1];                                  \
+        int64_t chunks = 0;                                                                     \
+        for (int64_t o = 0; o < out;) {                                                         \
+            const int64_t j = sub_of[o];                                                        \
+            int64_t end = o;                                                                    \
+            while (end < out && end - o < EXPAND_CHUNK && sub_of[end] == j) end++;              \
+            chunk_start[chunks] = o;                                                            \
+            chunk_part[chunks++] = j;                                                           \
+            o = end;                                                                            \
+        }                                                                                       \
+        chunk_start[chunks] = out;                                                              \
+        const int64_t expand = n * chunks;                                                      \
         const int expand_threads = active * out * max_rank >= PARALLEL_WORK ? (int)num_threads : 1; \
         _Pragma("omp parallel for num_threads(expand_threads) schedule(static)")               \
         for (int64_t i = 0; i < expand; i++) {                                                 \
-            const int64_t t = i / out, o = i % out;                                            \
+            const int64_t t = i / chunks, c = i % chunks;                                      \
             const int32_t s = token_slot[t];                                                   \
             if (s < 0) continue;                                                               \
-            const int64_t j = sub_of[o];                                                       \
+            const int64_t j = chunk_part[c], c0 = chunk_start[c], len = chunk_start[c + 1] - c0; \
             const int32_t r = ranks[s * num_subs + j];                                         \
             if (!r) continue;                                                                  \
-            T* target = y + t * y_stride + o;                                                  \
-            *target = STORE(LOAD(*target) +                                                    \
-                            NAME##_dot_h(b + (s * out + o) * max_rank, h + t * per_token + j * max_rank, r)); \
+            const float* hj = h + t * per_token + j * max_rank;                                \
+            float acc[EXPAND_CHUNK] = {0};                                                     \
+            for (int32_t k = 0; k < r; k++) {                                                  \
+                const float hk = hj[k];                                                        \
+                const T* row = b + (s * max_rank + k) * out + c0;                              \
+                _Pragma("omp simd") for (int64_t o = 0; o < len; o++) acc[o] += hk * LOAD(row[o]); \
+            }                                                                                  \
+            T* target = y + t * y_stride + c0;                                                 \
+            for (int64_t o = 0; o < len; o++) target[o] = STORE(LOAD(target[o]) + acc[o]);    \
         }                                                                                      \
         free(h);                                                                               \
     }

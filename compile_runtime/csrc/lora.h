@@ -1,11 +1,12 @@
 /* What lora.c exports (compile_runtime/ops/c_header.py types ctypes from these lines).
  * uint16_t holds bfloat16.
  *
- * y[t, o] += B[s, o, :r] . (A[s, j, :r, :] . x[t])  for every token t whose adapter slot
+ * y[t, o] += B[s, :r, o] . (A[s, j, :r, :] . x[t])  for every token t whose adapter slot
  * s = token_slot[t] is >= 0, where j = sub_of[o] is the fused sub-layer output column o
  * belongs to (q/k/v, gate/up; 0 for a plain layer) and r = ranks[s * num_subs + j] (0: the
  * adapter leaves that sub-layer alone). A [slots, num_subs, max_rank, in] and B
- * [slots, out, max_rank] are contiguous; x and y rows are x_stride and y_stride apart. */
+ * [slots, max_rank, out] (B^T per slot) are contiguous; x and y rows are x_stride and
+ * y_stride apart. */
 #pragma once
 #include <stdint.h>
 

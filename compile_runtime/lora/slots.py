@@ -1,6 +1,6 @@
 """The tensors adapters are loaded into: per linear layer, ``max_loras`` slots of A and B.
 
-A layer's slots hold A ``[slots, parts, max_rank, in]`` and B ``[slots, out, max_rank]``
+A layer's slots hold A ``[slots, parts, max_rank, in]`` and B^T ``[slots, max_rank, out]``
 (zero past an adapter's rank), the rank of each slot's adapter per part (0: the adapter
 leaves that part alone) and, per output column, the part it belongs to: a fused layer
 (q/k/v, gate/up) has one part per projection it fuses. Loading an adapter writes into the
@@ -53,7 +53,7 @@ class LoRASlots(nn.Module):
             persistent=False,
         )  # fmt: skip
         self.register_buffer(
-            "b", torch.zeros(max_loras, out, max_rank, dtype=dtype, device=device), persistent=False
+            "b", torch.zeros(max_loras, max_rank, out, dtype=dtype, device=device), persistent=False
         )
         self.register_buffer(
             "ranks", torch.zeros(max_loras, len(parts), dtype=torch.int32, device=device),
@@ -89,7 +89,7 @@ class LoRASlots(nn.Module):
             a, b = self._share(part, *pair)
             r = a.shape[0]
             self.a[slot, j, :r].copy_(a)
-            self.b[slot, part.start : part.start + part.size, :r].copy_(b)
+            self.b[slot, :r, part.start : part.start + part.size].copy_(b.T)
             self.ranks[slot, j] = r
 
     @torch.no_grad()

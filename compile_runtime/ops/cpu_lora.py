@@ -58,7 +58,7 @@ def lora_add_reference(
                 continue
             cols = (subs == j).nonzero().squeeze(1)
             h = x[rows].float() @ a[s, j, :r].float().T
-            delta = h @ b[s][cols][:, :r].float().T
+            delta = h @ b[s, :r][:, cols].float()
             y[rows.unsqueeze(1), cols] = (y[rows.unsqueeze(1), cols].float() + delta).to(y.dtype)
 
 
