@@ -259,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="NAME=PATH",
         help="LoRA adapters served by name (a request's model field), each name=PEFT directory "
-        "or JSON {\"name\": ..., \"path\": ...} (needs --enable-lora)",
+        'or JSON {"name": ..., "path": ...} (needs --enable-lora)',
     )
     serve.add_argument(
         "--allow-runtime-lora-updating",

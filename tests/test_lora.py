@@ -180,8 +180,9 @@ def test_bad_adapters_are_one_line_errors_and_the_engine_keeps_serving(
 
 
 def test_rank_over_the_limit_and_another_model_are_named(tmp_path, model_dirs, adapters):
-    from compile_runtime.lora.adapter import load_adapter, projection_shapes
     from transformers import AutoConfig
+
+    from compile_runtime.lora.adapter import load_adapter, projection_shapes
 
     config = AutoConfig.from_pretrained(model_dirs("llama"))
     shapes = projection_shapes(config)

@@ -63,7 +63,9 @@ def test_kernel_equals_the_reference_and_the_formula(dtype, tol):
 @needs_kernel
 def test_rows_and_threads_at_prefill_size():
     y, x, _, a, b, ranks, sub_of = _case(torch.float32, n=300, rank=8)
-    slots = torch.randint(-1, 3, (300,), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    slots = torch.randint(
+        -1, 3, (300,), dtype=torch.int32, generator=torch.Generator().manual_seed(1)
+    )
     by_kernel, by_reference = y.clone(), y.clone()
     lora_add_(by_kernel, x, slots, a, b, ranks, sub_of)
     lora_add_reference(by_reference, x, slots, a, b, ranks, sub_of)

@@ -91,7 +91,9 @@ def test_answers_equal_offline_per_adapter_and_mixed(server, offline, adapter_di
             assert text == offline[name][i] and model == (name or server.model)
     jobs = [(name, i) for name in (None, "a1", "a2") for i in range(len(PROMPTS))]
     with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
-        texts = list(pool.map(lambda j: complete(server, j[0] or server.model, PROMPTS[j[1]])[0], jobs))
+        texts = list(
+            pool.map(lambda j: complete(server, j[0] or server.model, PROMPTS[j[1]])[0], jobs)
+        )
     assert texts == [offline[name][i] for name, i in jobs]
     chat = server.client.chat.completions.create(
         model="a1", messages=[{"role": "user", "content": "hello"}], max_tokens=4

@@ -262,8 +262,10 @@ class Scheduler:
                     w += 1
                     continue
             lora_id = req.lora_request.lora_int_id if req.lora_request else None
-            if lora_id is not None and lora_id not in adapters and len(adapters) >= (
-                self.max_loras or 0
+            if (
+                lora_id is not None
+                and lora_id not in adapters
+                and len(adapters) >= (self.max_loras or 0)
             ):  # every slot is taken by running requests: it waits, keeping its place
                 w += 1
                 continue

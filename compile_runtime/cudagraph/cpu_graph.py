@@ -69,11 +69,10 @@ def _op_bodies() -> dict[str, Callable[..., Any]]:
     """Our custom ops whose bodies call NativeFunctions: run under the recording mode."""
     from compile_runtime.ops.cpu_linear import OP_NAME as LINEAR
     from compile_runtime.ops.cpu_linear import cpu_linear_impl
-    from compile_runtime.ops.cpu_quant_embedding import OP_NAME as EMBEDDING
-    from compile_runtime.ops.cpu_quant_embedding import quant_embedding_impl
-
     from compile_runtime.ops.cpu_lora import OP_NAME as LORA
     from compile_runtime.ops.cpu_lora import lora_add_impl
+    from compile_runtime.ops.cpu_quant_embedding import OP_NAME as EMBEDDING
+    from compile_runtime.ops.cpu_quant_embedding import quant_embedding_impl
 
     return {LINEAR: cpu_linear_impl, EMBEDDING: quant_embedding_impl, LORA: lora_add_impl}
 

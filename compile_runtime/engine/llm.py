@@ -191,9 +191,7 @@ class LLM:
         )
         if len(loras) != len(token_lists):
             raise ValueError(f"{len(token_lists)} prompts but {len(loras)} LoRA requests")
-        call = OfflineCall(
-            self.core, self.tokenizer, texts, token_lists, params, use_tqdm, loras
-        )
+        call = OfflineCall(self.core, self.tokenizer, texts, token_lists, params, use_tqdm, loras)
         while not call.done:
             call.step()
         outputs = call.outputs()

@@ -115,9 +115,11 @@ def load_adapter(
     config = _read_config(request.lora_path)
     weights_path = os.path.join(request.lora_path, WEIGHTS_FILE)
     if not os.path.isfile(weights_path):
-        bin_hint = " (adapter_model.bin is not read: save with safetensors)" if os.path.isfile(
-            os.path.join(request.lora_path, "adapter_model.bin")
-        ) else ""
+        bin_hint = (
+            " (adapter_model.bin is not read: save with safetensors)"
+            if os.path.isfile(os.path.join(request.lora_path, "adapter_model.bin"))
+            else ""
+        )
         raise LoRAAdapterError(f"{weights_path}: missing{bin_hint}")
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     try:

@@ -67,7 +67,9 @@ class LoRASlots(nn.Module):
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> None:
         lora_add_(y, x, self.token_slots[: x.shape[0]], self.a, self.b, self.ranks, self.sub_of)
 
-    def _share(self, part: Part, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _share(
+        self, part: Part, a: torch.Tensor, b: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a full A and B (the layer weight's ``tp_shard`` cut)."""
         cut = self.tp_shard(part.shard) if self.tp_shard is not None else None
         if cut is None:

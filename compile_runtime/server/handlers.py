@@ -10,11 +10,11 @@ import time
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from compile_runtime.engine.llm import LLM
+from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import check_length
-from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server.errors import APIError
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics

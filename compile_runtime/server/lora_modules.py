@@ -82,7 +82,9 @@ class ServedAdapters:
     def add(self, name: str, path: str) -> LoRARequest:
         """Check and register an adapter (a 400 naming what is wrong)."""
         if not self.enabled:
-            raise APIError(400, "LoRA adapters need a server started with --enable-lora", "lora_name")
+            raise APIError(
+                400, "LoRA adapters need a server started with --enable-lora", "lora_name"
+            )
         if name in self.by_name or name == self.base_name:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
         try:
@@ -117,7 +119,9 @@ class ServedAdapters:
                     "id": name,
                     "root": request.lora_path,
                     "parent": self.base_name,
-                    "permission": [p | {"id": f"modelperm-{name}"} for p in base_card["permission"]],
+                    "permission": [
+                        p | {"id": f"modelperm-{name}"} for p in base_card["permission"]
+                    ],
                 }
             )
         return out

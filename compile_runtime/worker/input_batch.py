@@ -19,10 +19,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from compile_runtime.lora.request import LoRARequest
-
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler_output import NewRequestData
+from compile_runtime.lora.request import LoRARequest
 from compile_runtime.worker.sampling_metadata import make_generator
 
 
