@@ -337,8 +337,14 @@ class Worker:
             raise WorkerError(f"{self.name}: {reply['error']}\n{self.tail()}")
         return reply
 
-    def run(self, requests: list[tuple[list[int], int]]) -> tuple[list[list[int]], float]:
-        reply = self.ask({"op": "run", "requests": requests})
+    def run(
+        self, requests: list[tuple[list[int], int]], loras: list | None = None
+    ) -> tuple[list[list[int]], float]:
+        """Tokens and seconds of one call; ``loras``: per request [name, id, dir] or None."""
+        message = {"op": "run", "requests": requests}
+        if loras is not None:
+            message["loras"] = loras
+        reply = self.ask(message)
         return reply["tokens"], reply["seconds"]
 
     def peak_rss_gib(self) -> float | None:

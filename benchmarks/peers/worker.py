@@ -3,7 +3,8 @@
 Speaks JSON lines: it writes ``{"ready": true, "startup_s": ..., "info": {...}}``
 once its engine is built, then answers each request line on stdin
 
-    {"op": "run", "requests": [[prompt_token_ids, max_tokens], ...]}
+    {"op": "run", "requests": [[prompt_token_ids, max_tokens], ...],
+     "loras": [[name, int_id, path] or null, ...]}   (loras: optional; vllm and ours)
         -> {"tokens": [[...], ...], "seconds": wall time of the generate call}
     {"op": "quit"}
 
@@ -29,6 +30,7 @@ HF_MIXED_BATCH = 8  # transformers runs unequal prompts in groups of this size, 
 PAD = 0  # prompts use ids >= 1000, so the pad id never appears in a prompt
 
 Requests = list[tuple[list[int], int]]
+Loras = list[list] | None  # per request [name, int id, PEFT directory] or None
 
 
 class VLLMSide:
@@ -44,14 +46,19 @@ class VLLMSide:
 
         self.info = {"vllm": vllm.__version__}
 
-    def run(self, requests: Requests) -> list[list[int]]:
+    def run(self, requests: Requests, loras: Loras = None) -> list[list[int]]:
         prompts = [{"prompt_token_ids": p} for p, _ in requests]
         # Token ids only, as on every side: no detokenizing.
         params = [
             self.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, detokenize=False)
             for _, n in requests
         ]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        kwargs = {}
+        if loras is not None:
+            from vllm.lora.request import LoRARequest
+
+            kwargs["lora_request"] = [spec and LoRARequest(*spec) for spec in loras]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, **kwargs)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
 
@@ -196,12 +203,18 @@ class OursSide:
         except Exception as e:
             self.info["runner"] = f"unavailable: {e!r}"
 
-    def run(self, requests: Requests) -> list[list[int]]:
+    def run(self, requests: Requests, loras: Loras = None) -> list[list[int]]:
         params = [
             self.cr.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
             for _, n in requests
         ]
-        outputs = self.llm.generate([p for p, _ in requests], params, use_tqdm=False)
+        kwargs = {}
+        if loras is not None:
+            from compile_runtime.lora import LoRARequest
+
+            kwargs["lora_request"] = [spec and LoRARequest(*spec) for spec in loras]
+        prompts = [p for p, _ in requests]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, **kwargs)
         return [list(o.outputs[0].token_ids) for o in outputs]
 
     def close(self) -> None:
@@ -255,7 +268,7 @@ def serve(make_side, answer) -> None:
 def _answer_run(side, msg: dict) -> dict:
     requests = [(list(p), int(n)) for p, n in msg["requests"]]
     start = time.perf_counter()
-    tokens = side.run(requests)
+    tokens = side.run(requests, msg["loras"]) if msg.get("loras") else side.run(requests)
     return {"tokens": tokens, "seconds": time.perf_counter() - start}
 
 
