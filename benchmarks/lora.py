@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
         )
         if "vllm" in args.sides:
             theirs = tokens["vllm", ROWS[2]]
-            checks["ours_equal_vllm_requests"] = sum(a == b for a, b in zip(ours, theirs, strict=True))
+            checks["ours_equal_vllm_requests"] = sum(
+                a == b for a, b in zip(ours, theirs, strict=True)
+            )
     table = []
     for side in args.sides:
         base = best[side, ROWS[0]]
