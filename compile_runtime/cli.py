@@ -142,6 +142,7 @@ def _engine(args: argparse.Namespace):
         device=args.device,
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,
         enable_prefix_caching=args.enable_prefix_caching,
@@ -344,6 +345,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--use-transformers", action="store_true", help="run through the adapter")
     p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument(
+        "--data-parallel-size",
+        type=positive_int,
+        default=1,
+        help="engines, each a whole copy of the model in its own worker processes, sharing "
+        "the requests (default 1)",
+    )
     p.add_argument(
         "--distributed-executor-backend",
         choices=["uni", "mp", "ray"],

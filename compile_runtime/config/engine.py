@@ -213,6 +213,9 @@ class EngineConfig(CheckedConfig):
     device: str | None = None  # None: CUDA when available, else CPU
     use_transformers: bool = False
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
+    data_parallel_size: int = Field(
+        1, ge=1, description="engines, each a whole copy of the model, sharing the requests"
+    )
     # Seconds a step may take before the driver gives up on a silent (hung) worker.
     step_timeout_s: float = Field(600.0, gt=0, description="seconds one step may take")
     # Seconds start-up (load, compile, capture) may take on any rank.

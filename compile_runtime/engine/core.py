@@ -140,6 +140,11 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     @property
+    def schedulers(self) -> list[Scheduler]:
+        """Its one scheduler (a data-parallel core has one per engine)."""
+        return [self.scheduler]
+
+    @property
     def num_blocks_in_use(self) -> int:
         pool = self.scheduler.block_pool
         return pool.num_usable - pool.num_free

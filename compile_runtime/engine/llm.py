@@ -28,6 +28,7 @@ from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.stats import PrefixCacheStats
 from compile_runtime.engine.chat import chat_prompt_ids
 from compile_runtime.engine.core import EngineCore
+from compile_runtime.engine.data_parallel import DataParallelCore
 from compile_runtime.engine.engine_config import decide_engine_config
 from compile_runtime.engine.offline_call import OfflineCall
 from compile_runtime.engine.outputs import GenerateStats, RequestOutput
@@ -57,17 +58,39 @@ class LLM:
         sizes left unset are chosen for the model and the machine (worker/kv_sizing.py)."""
         self.config: EngineConfig
         self.config, hf_config = decide_engine_config(model, compilation_config, dtype, options)
-        self.executor: Executor = make_executor(
-            self.config, hf_config, distributed_executor_backend
-        )
+        dp_size = self.config.data_parallel_size
+        if dp_size > 1:  # each engine's model in its own worker processes
+            if distributed_executor_backend == "uni":
+                raise ValueError(
+                    f"data_parallel_size={dp_size} runs each engine in worker processes; "
+                    "distributed_executor_backend='uni' cannot (use 'mp' or 'ray')"
+                )
+            distributed_executor_backend = distributed_executor_backend or "mp"
+        self.executors: list[Executor] = []
+        try:
+            for _ in range(dp_size):
+                self.executors.append(
+                    make_executor(self.config, hf_config, distributed_executor_backend)
+                )
+        except BaseException:
+            for executor in self.executors:
+                executor.shutdown()
+            raise
+        self.executor: Executor = self.executors[0]
         self.tokenizer = load_tokenizer(self.config.model_dir, hf_config)
-        self.core = EngineCore(
-            self.config,
-            self.executor,
-            self.tokenizer,
-            getattr(hf_config, "vocab_size", None),
-            eos_token_ids(self.config.model_dir, hf_config, self.tokenizer),
-            hf_config,
+        cores = [
+            EngineCore(
+                self.config,
+                executor,
+                self.tokenizer,
+                getattr(hf_config, "vocab_size", None),
+                eos_token_ids(self.config.model_dir, hf_config, self.tokenizer),
+                hf_config,
+            )
+            for executor in self.executors
+        ]
+        self.core: EngineCore | DataParallelCore = (
+            cores[0] if dp_size == 1 else DataParallelCore(cores)
         )
         self.last_stats = GenerateStats()
         logger.info(self.startup.summary())
@@ -115,8 +138,11 @@ class LLM:
         self.workload.save(path)
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (nothing to do on one rank); safe to call twice."""
-        self.executor.shutdown()
+        """Stop the executors' workers (nothing to do on one rank); safe to call twice."""
+        for executor in self.executors:
+            executor.shutdown()
+        if isinstance(self.core, DataParallelCore):
+            self.core.shutdown()
 
     def __enter__(self) -> LLM:
         return self

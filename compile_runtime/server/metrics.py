@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily
 from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
+from compile_runtime.engine.data_parallel import summed
 
 PREFIX = "compile_runtime"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -64,8 +65,21 @@ class ServerMetrics:
             ["reason"],
             registry=r,
         )
-        r.register(SchedulerTotals(engine.core.scheduler))
-        self.kv_blocks_total.set(engine.core.scheduler.block_pool.num_usable)
+        self.engine_running = Gauge(
+            f"{PREFIX}_engine_requests_running",
+            "Requests in each engine's batch (data parallelism: one per engine)",
+            ["engine"],
+            registry=r,
+        )
+        self.engine_kv_blocks = Gauge(
+            f"{PREFIX}_engine_kv_blocks_in_use",
+            "KV cache blocks each engine holds",
+            ["engine"],
+            registry=r,
+        )
+        schedulers = engine.core.schedulers
+        r.register(SchedulerTotals(schedulers))
+        self.kv_blocks_total.set(sum(s.block_pool.num_usable for s in schedulers))
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
         engine.finish_hooks.append(self.on_finish)
@@ -83,10 +97,7 @@ class ServerMetrics:
         self.generation_tokens.inc()
 
     def on_step(self, out: StepOutput, engine: AsyncEngine) -> None:
-        scheduler = engine.core.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(engine.num_waiting)
-        self.kv_blocks.set(engine.core.num_blocks_in_use)
+        self.refresh(engine)
         self.steps.labels(mode=out.runtime_mode or "NONE").inc()
         if out.unreplayed_reason:
             self.unreplayed_steps.labels(reason=out.unreplayed_reason).inc()
@@ -94,8 +105,13 @@ class ServerMetrics:
     def refresh(self, engine: AsyncEngine) -> None:
         """Values that change between steps too (an abort frees blocks with no step after)."""
         self.waiting.set(engine.num_waiting)
+        schedulers = engine.core.schedulers
         self.kv_blocks.set(engine.core.num_blocks_in_use)
-        self.running.set(len(engine.core.scheduler.running))
+        self.running.set(sum(len(s.running) for s in schedulers))
+        for i, s in enumerate(schedulers):
+            self.engine_running.labels(engine=str(i)).set(len(s.running))
+            pool = s.block_pool
+            self.engine_kv_blocks.labels(engine=str(i)).set(pool.num_usable - pool.num_free)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -104,11 +120,12 @@ class ServerMetrics:
 class SchedulerTotals:
     """Counters the scheduler already keeps as running totals, read at scrape time."""
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
+    def __init__(self, schedulers: list[Scheduler]):
+        self.schedulers = schedulers
 
     def collect(self):
-        cache, spec = self.scheduler.prefix_cache_stats, self.scheduler.spec_decode_stats
+        cache = summed([s.prefix_cache_stats for s in self.schedulers])
+        spec = summed([s.spec_decode_stats for s in self.schedulers])
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queries),
             (

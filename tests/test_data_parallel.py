@@ -1,0 +1,97 @@
+"""Data parallelism: two engines (each its own scheduler, KV cache and worker process)
+behind one LLM give the single engine's greedy tokens, with mixed prompt lengths, prefix
+caching, preemption and speculative decoding; requests spread over both and return to the
+engine holding their prefix."""
+
+from __future__ import annotations
+
+import pytest
+
+import compile_runtime as cr
+from compile_runtime.engine.data_parallel import DataParallelCore
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [[5, 6, 7], list(range(10, 40)), [100], list(range(200, 217)), [9] * 21, [33, 44]]
+GREEDY = cr.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+SIZES = dict(max_num_seqs=4, max_num_batched_tokens=8, block_size=4, max_model_len=64)
+
+
+def _tokens(llm, prompts=PROMPTS, params=GREEDY):
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference(model_dirs):
+    with cr.LLM(model_dirs("llama"), {"backend": "eager"}, **SIZES) as one:
+        return _tokens(one)
+
+
+def test_two_engines_give_one_engines_tokens(model_dirs, reference):
+    # 14 blocks of 4 tokens per engine cannot hold three requests at full length: preemption.
+    llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2,
+                 num_gpu_blocks_override=14, **SIZES)  # fmt: skip
+    try:
+        core = llm.core
+        assert isinstance(core, DataParallelCore) and len(llm.executors) == 2
+        pids = [p for e in llm.executors for p in e.pids]
+        assert len(set(pids)) == 2  # one worker process per engine
+        assert _tokens(llm) == reference
+        assert all(n > 0 for n in core.routed)  # both engines got requests
+        assert sum(s.num_preemptions for s in core.schedulers) > 0
+        hits = llm.prefix_cache_stats.hits
+        routed = list(core.routed)
+        assert _tokens(llm, PROMPTS[1:2]) == reference[1:2]  # its prefix is on one engine
+        assert llm.prefix_cache_stats.hits > hits
+        owner = [i for i in range(2) if core.routed[i] > routed[i]]
+        holder = [i for i, s in enumerate(core.schedulers) if s.prefix_cache_stats.hits > 0]
+        assert owner and owner[0] in holder
+    finally:
+        llm.shutdown()
+
+
+def test_two_engines_with_speculative_decoding(model_dirs, reference):
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2,
+                 speculative_config=spec, **SIZES)  # fmt: skip
+    try:
+        assert _tokens(llm) == reference
+        assert llm.core.spec_decode_stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
+
+
+def test_data_parallel_refuses_the_in_process_executor(model_dirs):
+    with pytest.raises(ValueError, match="data_parallel_size=2 .* 'uni' cannot"):
+        cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2,
+               distributed_executor_backend="uni", **SIZES)  # fmt: skip
+
+
+def test_served_by_two_engines(model_dirs, tmp_path):
+    import concurrent.futures
+
+    from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
+
+    model = chat_model_dir(model_dirs("llama"), str(tmp_path))
+    texts = ["hello world", "the quick brown fox", "one two three", "a compiler turns"] * 2
+    params = cr.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with cr.LLM(model, CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8) as one:
+        want = [o.outputs[0].text for o in one.generate(texts, params, use_tqdm=False)]
+    server = RunningServer(model, "--data-parallel-size", "2", "--max-num-seqs", "8")
+    try:
+
+        def complete(prompt):
+            out = server.client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=12, temperature=0,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            return out.choices[0].text
+
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            assert list(pool.map(complete, texts)) == want
+        metrics = get(server.url + "/metrics")[1]
+        assert 'compile_runtime_engine_kv_blocks_in_use{engine="1"}' in metrics
+        assert server.metric("compile_runtime_requests_finished_total") == len(texts)
+    finally:
+        server.stop()
