@@ -17,6 +17,16 @@ GREEDY = cr.SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 SIZES = dict(max_num_seqs=4, max_num_batched_tokens=8, block_size=4, max_model_len=64)
 
 
+def prompt_hashes(prompt: list[int]) -> list[bytes]:
+    """The prefix-cache hashes of a base-model prompt's full blocks but the last token's."""
+    from compile_runtime.core.kv_blocks import extend_block_hashes
+    from compile_runtime.core.request import Request
+
+    request = Request("probe", prompt, GREEDY)
+    n = (len(prompt) - 1) // SIZES["block_size"]
+    return extend_block_hashes(request, n, SIZES["block_size"])[:n]
+
+
 def _tokens(llm, prompts=PROMPTS, params=GREEDY):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs]
@@ -40,13 +50,17 @@ def test_two_engines_give_one_engines_tokens(model_dirs, reference):
         assert _tokens(llm) == reference
         assert all(n > 0 for n in core.routed)  # both engines got requests
         assert sum(s.num_preemptions for s in core.schedulers) > 0
-        hits = llm.prefix_cache_stats.hits
-        routed = list(core.routed)
-        assert _tokens(llm, PROMPTS[1:2]) == reference[1:2]  # its prefix is on one engine
+        prompt = list(range(300, 330))
+        _tokens(llm, [prompt])
+        holder = [i for i in range(2) if core.schedulers[i].block_pool.find_cached(
+            prompt_hashes(prompt))]  # fmt: skip
+        routed, hits = list(core.routed), llm.prefix_cache_stats.hits
+        for _ in range(3):  # back to the engine holding its prefix, each time
+            _tokens(llm, [prompt])
         assert llm.prefix_cache_stats.hits > hits
-        owner = [i for i in range(2) if core.routed[i] > routed[i]]
-        holder = [i for i, s in enumerate(core.schedulers) if s.prefix_cache_stats.hits > 0]
-        assert owner and owner[0] in holder
+        assert [b - a for a, b in zip(routed, core.routed, strict=True)] == [
+            3 if i in holder else 0 for i in range(2)
+        ]
     finally:
         llm.shutdown()
 
@@ -63,7 +77,7 @@ def test_two_engines_with_speculative_decoding(model_dirs, reference):
 
 
 def test_data_parallel_refuses_the_in_process_executor(model_dirs):
-    with pytest.raises(ValueError, match="data_parallel_size=2 .* 'uni' cannot"):
+    with pytest.raises(ValueError, match="data_parallel_size=2 .*='uni' cannot"):
         cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2,
                distributed_executor_backend="uni", **SIZES)  # fmt: skip
 

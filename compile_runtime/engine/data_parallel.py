@@ -169,7 +169,9 @@ class DataParallelCore:
             num_scheduled_tokens=sum(o.num_scheduled_tokens for o in outs),
             seconds=time.perf_counter() - start,
             runtime_mode=next((o.runtime_mode for o in outs if o.runtime_mode), None),
-            unreplayed_reason=next((o.unreplayed_reason for o in outs if o.unreplayed_reason), None),
+            unreplayed_reason=next(
+                (o.unreplayed_reason for o in outs if o.unreplayed_reason), None
+            ),
             prompt_logprobs={k: v for o in outs for k, v in o.prompt_logprobs.items()},
         )
         self._forget([r.req_id for r in merged.finished])
