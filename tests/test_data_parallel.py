@@ -109,3 +109,19 @@ def test_served_by_two_engines(model_dirs, tmp_path):
         assert server.metric("compile_runtime_requests_finished_total") == len(texts)
     finally:
         server.stop()
+
+
+def test_real_model_two_engines_give_one_engines_tokens():
+    """SmolLM2 in float32 (the GGUF file dequantized): DP=2 greedy tokens equal one engine's,
+    with mixed prompt lengths and prefix caching on."""
+    from compile_runtime.models.smollm2 import smollm2_gguf
+
+    prompts = [list(range(1000, 1000 + n)) for n in (7, 40, 3, 90, 25, 61)]
+    prompts.append(prompts[3][:50] + [5, 6, 7])  # shares a prefix with another prompt
+    params = cr.SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    options = dict(dtype="float32", quantization="none", max_num_seqs=8)
+    with cr.LLM(smollm2_gguf(), **options) as one:
+        want = _tokens(one, prompts, params)
+    with cr.LLM(smollm2_gguf(), data_parallel_size=2, **options) as two:
+        assert _tokens(two, prompts, params) == want
+        assert all(n > 0 for n in two.core.routed)

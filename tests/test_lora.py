@@ -227,3 +227,20 @@ def test_tensor_parallel_adapters_give_the_one_rank_tokens(base_dir, adapters, r
         ]  # fmt: skip
     finally:
         llm.shutdown()
+
+
+def test_adapters_on_quantized_base_weights(base_dir, hf_model, adapters, tmp_path):
+    """Q8_0 base weights (quantization="int8"): the LoRA op adds to the quantized layer's
+    output the same way; an adapter whose B is zero changes no token, a real one does."""
+    zero = make_peft_adapter(
+        hf_model, str(tmp_path / "zero"), r=4, target_modules=["q_proj", "down_proj"], scale=0.0
+    )
+    llm = cr.LLM(base_dir, {"backend": "eager"}, dtype="float32", quantization="int8",
+                 enable_lora=True, max_loras=2, max_lora_rank=8, max_num_seqs=8,
+                 max_model_len=64)  # fmt: skip
+    try:
+        base = _tokens(llm, None)
+        assert _tokens(llm, LoRARequest("zero", 50, zero)) == base
+        assert _tokens(llm, adapters["a1"]) != base
+    finally:
+        llm.shutdown()

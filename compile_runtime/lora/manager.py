@@ -32,7 +32,8 @@ def _parts(model: nn.Module, leaf: str, layer: nn.Module) -> list[Part]:
     stacked, fused = model._layouts()
     parts = [(s.part, s.shard) for s in stacked if s.fused == leaf]
     if not parts:
-        return [Part(leaf, None, 0, layer.weight.shape[0])]
+        out = layer.output_size if hasattr(layer, "output_size") else sum(layer.local_sizes)
+        return [Part(leaf, None, 0, out)]
     return [Part(name, shard, *fused[leaf].offsets[shard]) for name, shard in parts]
 
 

@@ -41,11 +41,14 @@ class LoRASlots(nn.Module):
         dtype: torch.dtype,
     ):
         super().__init__()
-        weight = layer.weight
-        out, in_features = weight.shape
+        # The layer's own sizes and checkpoint cut (its weight may be quantized blocks).
+        if hasattr(layer, "input_size_per_rank"):  # row-parallel
+            out, in_features = layer.output_size, layer.input_size_per_rank
+            self.tp_shard = layer._weight_shard
+        else:
+            out, in_features = sum(layer.local_sizes), layer.input_size
+            self.tp_shard = layer._shard
         self.parts = parts
-        self.tp_shard = getattr(weight, "tp_shard", None)
-        self.row_parallel = getattr(layer, "input_size_per_rank", None) is not None
         device = token_slots.device
         self.register_buffer("token_slots", token_slots, persistent=False)
         self.register_buffer(
@@ -71,7 +74,7 @@ class LoRASlots(nn.Module):
         self, part: Part, a: torch.Tensor, b: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share of a full A and B (the layer weight's ``tp_shard`` cut)."""
-        cut = self.tp_shard(part.shard) if self.tp_shard is not None else None
+        cut = self.tp_shard(part.shard)
         if cut is None:
             return a, b
         dim, start, length = cut
