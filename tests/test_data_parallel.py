@@ -125,3 +125,31 @@ def test_real_model_two_engines_give_one_engines_tokens():
     with cr.LLM(smollm2_gguf(), data_parallel_size=2, **options) as two:
         assert _tokens(two, prompts, params) == want
         assert all(n > 0 for n in two.core.routed)
+
+
+def test_micro_batched_steps_give_the_same_tokens(model_dirs, reference):
+    """One engine splitting each step of several requests into two micro-batches, each with
+    its own attention metadata."""
+    llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, enable_microbatching=True,
+                 microbatching_token_threshold=4, **SIZES)  # fmt: skip
+    try:
+        assert _tokens(llm) == reference
+        assert llm.runner.unreplayed["micro-batched"] > 0
+    finally:
+        llm.shutdown()
+
+
+def test_lockstep_engines_agree_once_a_step(model_dirs, reference):
+    """With lockstep on, every step is agreed once (padded count, uniform decode, micro-
+    batching: here on for both engines) and the tokens stay the same; off, never."""
+    llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2,
+                 data_parallel_lockstep=True, enable_microbatching=True,
+                 microbatching_token_threshold=4, **SIZES)  # fmt: skip
+    try:
+        assert _tokens(llm) == reference
+        assert llm.core.num_coordinations == llm.last_stats.steps > 0
+    finally:
+        llm.shutdown()
+    with cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2, **SIZES) as off:
+        assert _tokens(off) == reference
+        assert off.core.num_coordinations == 0

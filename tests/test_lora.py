@@ -244,3 +244,18 @@ def test_adapters_on_quantized_base_weights(base_dir, hf_model, adapters, tmp_pa
         assert _tokens(llm, adapters["a1"]) != base
     finally:
         llm.shutdown()
+
+
+def test_micro_batches_keep_each_tokens_adapter(base_dir, adapters, reference):
+    """A step split into two micro-batches maps each half's tokens to their own adapters."""
+    llm = cr.LLM(base_dir, {"backend": "eager"}, dtype="float32", enable_lora=True,
+                 max_loras=2, max_lora_rank=8, max_num_seqs=8, max_model_len=64,
+                 enable_microbatching=True, microbatching_token_threshold=2)  # fmt: skip
+    try:
+        mixed = [adapters["a2"], None, adapters["a1"]]
+        assert _tokens(llm, mixed) == [
+            reference["a2"][0], reference["base"][1], reference["a1"][2],
+        ]  # fmt: skip
+        assert llm.runner.unreplayed["micro-batched"] > 0
+    finally:
+        llm.shutdown()

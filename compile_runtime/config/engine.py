@@ -160,6 +160,14 @@ class RunnerConfig(CheckedConfig):
         "float checkpoint stays float ('none'); 'int8': a float checkpoint's linear weights "
         "quantized to int8 per block of 32 (Q8_0); 'none' dequantizes a GGUF file",
     )
+    enable_microbatching: bool = Field(
+        False,
+        description="split a step of several requests into two micro-batches, each with its "
+        "own attention metadata (on a CPU: correctness, not speed)",
+    )
+    microbatching_token_threshold: int = Field(
+        32, ge=2, description="fewest tokens in a step that is split into micro-batches"
+    )
     # LoRA adapters (compile_runtime/lora/): vLLM's names and defaults.
     enable_lora: bool = Field(
         False, description="serve LoRA adapters (requests name theirs with a LoRARequest)"
@@ -215,6 +223,11 @@ class EngineConfig(CheckedConfig):
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
     data_parallel_size: int = Field(
         1, ge=1, description="engines, each a whole copy of the model, sharing the requests"
+    )
+    data_parallel_lockstep: bool = Field(
+        False,
+        description="data-parallel engines agree each step on the padded token count, the "
+        "uniform-decode flag and micro-batching before they run it",
     )
     # Seconds a step may take before the driver gives up on a silent (hung) worker.
     step_timeout_s: float = Field(600.0, gt=0, description="seconds one step may take")

@@ -57,6 +57,13 @@ class SchedulerOutput:
     # req_id -> [1 + drafts, vocab / 32] int32 token bitmask of each logits row of a
     # constrained request that samples this step (structured outputs).
     grammar_bitmask: dict[str, np.ndarray] = field(default_factory=dict)
+    # Data-parallel engines in lockstep (engine/data_parallel.py): what every engine agreed
+    # for this step, so their graphs line up: the token count each pads to, whether the
+    # step is a uniform decode on every engine, whether every engine splits it into
+    # micro-batches. None: this engine decides alone.
+    dp_num_tokens: int | None = None
+    dp_uniform_decode: bool | None = None
+    dp_microbatch: bool | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

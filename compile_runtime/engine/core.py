@@ -17,6 +17,7 @@ from compile_runtime.config import EngineConfig
 from compile_runtime.core.request import Request, RequestStatus, ended_by_stop_token
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
+from compile_runtime.core.scheduler_output import SchedulerOutput
 from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.core.structured_output import StructuredOutputManager
 from compile_runtime.executor import Executor, ExecutorError
@@ -80,6 +81,7 @@ class EngineCore:
             else None
         )
         self.executor = executor
+        self.runner_config = sizes
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(
             num_blocks=executor.num_blocks,
@@ -158,14 +160,16 @@ class EngineCore:
     def spec_decode_stats(self) -> SpecDecodeStats:
         return self.scheduler.spec_decode_stats
 
-    def step(self) -> StepOutput:
-        """One scheduler step through the model. A failing step aborts the requests it ran and
-        raises ``StepFailedError``; ``ExecutorError`` (the workers are gone) and interrupts
-        pass through (an interrupt after aborting the step's requests)."""
+    def step(self, scheduled: SchedulerOutput | None = None) -> StepOutput:
+        """One scheduler step through the model (``scheduled``: this step's plan, when the
+        caller scheduled it already: data-parallel lockstep). A failing step aborts the
+        requests it ran and raises ``StepFailedError``; ``ExecutorError`` (the workers are
+        gone) and interrupts pass through (an interrupt after aborting the step's requests)."""
         start = time.perf_counter()
-        so = None
+        so = scheduled
         try:
-            so = self.scheduler.schedule()
+            if so is None:
+                so = self.scheduler.schedule()
             self.executor.execute_model(so)
             out = self.executor.sample_tokens()
             finished = self.scheduler.update_from_output(so, out)

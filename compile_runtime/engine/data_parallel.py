@@ -24,6 +24,7 @@ from compile_runtime.core.kv_blocks import find_cached_prefix
 from compile_runtime.core.request import Request
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
+from compile_runtime.core.scheduler_output import SchedulerOutput
 from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.engine.core import EngineCore, StepFailedError, StepOutput
 from compile_runtime.lora.request import LoRARequest
@@ -31,6 +32,24 @@ from compile_runtime.lora.request import LoRARequest
 # How many more requests than the least loaded engine an engine may have and still be
 # given a request whose prefix it holds.
 AFFINITY_SLACK = 4
+
+
+def _uniform_decode(engine: EngineCore, plan: SchedulerOutput) -> bool:
+    """Every request of the plan runs one token and the same number of drafts."""
+    spec = engine.runner_config.speculative_config
+    q = 1 + (spec.num_speculative_tokens if spec else 0)
+    return bool(plan.num_scheduled_tokens) and all(
+        n == q for n in plan.num_scheduled_tokens.values()
+    )
+
+
+def _would_split(engine: EngineCore, plan: SchedulerOutput) -> bool:
+    sizes = engine.runner_config
+    return (
+        sizes.enable_microbatching
+        and len(plan.num_scheduled_tokens) >= 2
+        and plan.total_num_scheduled_tokens >= sizes.microbatching_token_threshold
+    )
 
 
 def summed(stats: list[Any]) -> Any:
@@ -43,7 +62,10 @@ def summed(stats: list[Any]) -> Any:
 
 
 class DataParallelCore:
-    def __init__(self, engines: list[EngineCore]):
+    def __init__(self, engines: list[EngineCore], lockstep: bool = False):
+        """``lockstep``: before each step the engines agree on its padded token count, the
+        uniform-decode flag and micro-batching (``coordinate``), as ranks whose graph
+        replays must line up do."""
         if not engines:
             raise ValueError("DataParallelCore needs at least one engine")
         self.engines = engines
@@ -55,6 +77,8 @@ class DataParallelCore:
         self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="dp-engine")
         self._failure: StepFailedError | None = None
         self.routed = [0] * len(engines)  # requests given to each engine so far
+        self.lockstep = lockstep
+        self.num_coordinations = 0  # steps the engines agreed on (one exchange each)
 
     # ---- what EngineCore offers ------------------------------------------------------
 
@@ -148,10 +172,11 @@ class DataParallelCore:
             raise failure
         start = time.perf_counter()
         active = [e for e in self.engines if e.has_unfinished()]
+        plans = self.coordinate(active) if self.lockstep else [None] * len(active)
         if len(active) == 1:
-            outs = [active[0].step()]
+            outs = [active[0].step(plans[0])]
         else:
-            futures = [self._pool.submit(e.step) for e in active]
+            futures = [self._pool.submit(e.step, p) for e, p in zip(active, plans, strict=True)]
             outs, failures = [], []
             for future in futures:
                 try:
@@ -178,6 +203,21 @@ class DataParallelCore:
         if self._failure is not None:
             self._forget(self._failure.failed_req_ids)
         return merged
+
+    def coordinate(self, engines: list[EngineCore]) -> list[SchedulerOutput]:
+        """Schedule every engine's step, then agree: the largest token count (each pads to
+        it), a uniform decode only if every engine's is, micro-batches only if every engine
+        would split. The engines' plans, the agreement written into each."""
+        plans = [e.scheduler.schedule() for e in engines]
+        self.num_coordinations += 1
+        counts = [p.total_num_scheduled_tokens for p in plans]
+        uniform = all(_uniform_decode(e, p) for e, p in zip(engines, plans, strict=True))
+        split = all(_would_split(e, p) for e, p in zip(engines, plans, strict=True))
+        for plan in plans:
+            plan.dp_num_tokens = max(counts)
+            plan.dp_uniform_decode = uniform
+            plan.dp_microbatch = split
+        return plans
 
     def _forget(self, req_ids: list[str]) -> None:
         for r in req_ids:

@@ -90,7 +90,9 @@ class LLM:
             for executor in self.executors
         ]
         self.core: EngineCore | DataParallelCore = (
-            cores[0] if dp_size == 1 else DataParallelCore(cores)
+            cores[0]
+            if dp_size == 1
+            else DataParallelCore(cores, lockstep=self.config.data_parallel_lockstep)
         )
         self.last_stats = GenerateStats()
         logger.info(self.startup.summary())

@@ -68,6 +68,7 @@ from compile_runtime.worker.startup import (
 )
 from compile_runtime.worker.step_inputs import (
     StepBuffers,
+    StepInputs,
     capture_query_lens,
     check_token_ids,
     flatten_step,
@@ -314,40 +315,19 @@ class ModelRunner:
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
         uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
+        if so.dp_uniform_decode is not None:  # lockstep: a decode graph only if every engine's
+            uniform_decode = uniform_decode and so.dp_uniform_decode
         self.workload.record(total, uniform_decode)
-
-        has_lora = False
-        if self.lora is not None:
-            padded_size = self.dispatcher.padded_size(total, uniform_decode) or total
-            has_lora = self.lora.prepare_step(
-                [batch.requests[r].lora_request for r in step.req_ids],
-                step.num_scheduled,
-                max(padded_size, total),
-            )
-        mode, descriptor = self.dispatcher.dispatch(total, uniform_decode, has_lora=has_lora)
-        unreplayed = None
-        if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
-            unreplayed = self.dispatcher.unreplayed_reason(total)
-            self.unreplayed[unreplayed] += 1
         check_token_ids(step.token_ids, self.vocab_size)
-        padded = descriptor.num_tokens
-        self.buffers.load(step, padded)
-        metadata = build_metadata(
-            self.metadata_groups,
-            query_start_loc(step.cu_num_scheduled),
-            torch.from_numpy(step.seq_lens.astype(np.int32)),
-            batch.block_table.gather(step.rows),
-            self.buffers.slot_mapping[:padded],
-            total,
-            num_padded_tokens=padded,
-            for_cudagraph=mode == CUDAGraphMode.FULL,
-        )
-        with set_forward_context(
-            metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
-        ):
-            plan = self.cudagraph_plan
-            forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
-            hidden = forward(*self.buffers.forward_args(padded))
+        loras = [batch.requests[r].lora_request for r in step.req_ids] if self.lora else []
+        split = self._microbatch_split(step, so.dp_microbatch)
+        if split is not None:
+            self.buffers.load(step, total)
+            hidden = self._run_microbatches(step, split, loras)
+            mode, unreplayed = CUDAGraphMode.NONE, "micro-batched"
+            self.unreplayed[unreplayed] += 1
+        else:
+            hidden, mode, unreplayed = self._run_step(step, total, uniform_decode, loras, so)
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.
@@ -366,6 +346,83 @@ class ModelRunner:
             prompt_logprobs=prompt,
             grammar_bitmask=so.grammar_bitmask,
         )
+
+    def _run_step(
+        self,
+        step: StepInputs,
+        total: int,
+        uniform_decode: bool,
+        loras: list,
+        so: SchedulerOutput,
+    ) -> tuple[torch.Tensor, CUDAGraphMode, str | None]:
+        """The step's forward in one piece: hidden states, runtime mode, why no graph ran."""
+        target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
+        has_lora = False
+        if self.lora is not None:
+            padded_size = self.dispatcher.padded_size(target, uniform_decode) or target
+            has_lora = self.lora.prepare_step(loras, step.num_scheduled, max(padded_size, target))
+        mode, descriptor = self.dispatcher.dispatch(target, uniform_decode, has_lora=has_lora)
+        unreplayed = None
+        if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
+            unreplayed = self.dispatcher.unreplayed_reason(target)
+            self.unreplayed[unreplayed] += 1
+        padded = descriptor.num_tokens
+        self.buffers.load(step, padded)
+        metadata = build_metadata(
+            self.metadata_groups,
+            query_start_loc(step.cu_num_scheduled),
+            torch.from_numpy(step.seq_lens.astype(np.int32)),
+            self.input_batch.block_table.gather(step.rows),
+            self.buffers.slot_mapping[:padded],
+            total,
+            num_padded_tokens=padded,
+            for_cudagraph=mode == CUDAGraphMode.FULL,
+        )
+        with set_forward_context(
+            metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+        ):
+            plan = self.cudagraph_plan
+            forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
+            hidden = forward(*self.buffers.forward_args(padded))
+        return hidden, mode, unreplayed
+
+    def _microbatch_split(self, step: StepInputs, agreed: bool | None) -> int | None:
+        """How many of the step's requests go in the first of two micro-batches (the request
+        boundary nearest half its tokens), or None: not split. ``agreed``: the data-parallel
+        engines' decision in lockstep (None: this engine's own, ``enable_microbatching``)."""
+        wanted = self.config.enable_microbatching if agreed is None else agreed
+        n, total = len(step.req_ids), step.total
+        if not wanted or n < 2 or total < self.config.microbatching_token_threshold:
+            return None
+        boundaries = step.cu_num_scheduled[:-1]
+        return int(np.argmin(np.abs(boundaries - total / 2))) + 1
+
+    def _run_microbatches(self, step: StepInputs, split: int, loras: list) -> torch.Tensor:
+        """The step's forward as two micro-batches, each with its own attention metadata (and
+        adapter map), one after the other without graphs; their hidden states joined."""
+        cu = step.cu_num_scheduled
+        parts = []
+        for lo, hi in ((0, split), (split, len(step.req_ids))):
+            t0, t1 = (int(cu[lo - 1]) if lo else 0), int(cu[hi - 1])
+            has_lora = False
+            if self.lora is not None:
+                has_lora = self.lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
+            metadata = build_metadata(
+                self.metadata_groups,
+                query_start_loc(cu[lo:hi] - t0),
+                torch.from_numpy(step.seq_lens[lo:hi].astype(np.int32)),
+                self.input_batch.block_table.gather(step.rows[lo:hi]),
+                self.buffers.slot_mapping[t0:t1],
+                t1 - t0,
+                num_padded_tokens=t1 - t0,
+            )
+            descriptor = BatchDescriptor(t1 - t0, has_lora=has_lora)
+            with set_forward_context(metadata, batch_descriptor=descriptor):
+                hidden = self.cudagraph_plan.bare_model(
+                    self.buffers.input_ids[t0:t1], self.buffers.positions[t0:t1]
+                )
+            parts.append(hidden.clone() if not parts else hidden)  # the next forward may reuse it
+        return torch.cat(parts)
 
     def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list]:
         """Per sampling request its tokens and logprobs: rank 0 samples (or verifies drafts),
