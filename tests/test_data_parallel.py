@@ -153,3 +153,18 @@ def test_lockstep_engines_agree_once_a_step(model_dirs, reference):
     with cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2, **SIZES) as off:
         assert _tokens(off) == reference
         assert off.core.num_coordinations == 0
+
+
+def test_an_engine_whose_worker_dies_is_an_error_naming_the_rank(model_dirs):
+    import os
+    import signal
+
+    from compile_runtime.executor import ExecutorError
+
+    llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2, **SIZES)
+    try:
+        os.kill(llm.executors[1].pids[0], signal.SIGKILL)
+        with pytest.raises(ExecutorError, match="rank 0"):
+            _tokens(llm)  # both engines get requests; the second one's worker is gone
+    finally:
+        llm.shutdown()

@@ -177,12 +177,16 @@ class DataParallelCore:
             outs = [active[0].step(plans[0])]
         else:
             futures = [self._pool.submit(e.step, p) for e, p in zip(active, plans, strict=True)]
-            outs, failures = [], []
-            for future in futures:
+            outs, failures, fatal = [], [], None
+            for future in futures:  # every engine's step finished before anything is raised
                 try:
                     outs.append(future.result())
                 except StepFailedError as e:
                     failures.append(e)
+                except BaseException as e:  # an engine's workers are gone
+                    fatal = fatal or e
+            if fatal is not None:
+                raise fatal
             if failures:
                 self._failure = failures[0]
                 for extra in failures[1:]:  # every failed request is named
