@@ -1,7 +1,8 @@
 """compile_runtime: a compiler-centric runtime for PyTorch LLM inference.
 
-Top-level modules: ``cli`` (the ``compile-runtime`` command) and ``argtypes`` (argument
-types its sub-commands share); ``tune_cli`` (``compile-runtime tune``: the CPU linear kernels
+Top-level modules: ``cli`` (the ``compile-runtime`` command), ``engine_arguments`` (the
+engine flags ``generate`` and ``serve`` share, and the ``LLM`` they build) and ``argtypes``
+(argument types its sub-commands share); ``tune_cli`` (``compile-runtime tune``: the CPU linear kernels
 measured for a model); ``table`` (plain-text tables for the CLI and benchmarks);
 ``device`` (the default device: CUDA if present, else the CPU); ``forward_context``
 (per-step state layers read during a forward); ``counters`` (what the compiler and graph

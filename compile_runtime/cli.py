@@ -15,8 +15,9 @@ import traceback
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
+from compile_runtime.argtypes import float_in, int_at_least, positive_int
 from compile_runtime.config import AttentionCGSupport, parse_config
-from compile_runtime.models.dtype import DTYPE_CHOICES
+from compile_runtime.engine_arguments import add_engine_arguments, engine_from_args
 from compile_runtime.server.tool_parsers import PARSERS
 from compile_runtime.version import __version__
 from compile_runtime.worker.startup import ModelRunnerError
@@ -44,57 +45,6 @@ def format_error(error: BaseException) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def _int_at_least(minimum: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"{value} is not >= {minimum}")
-        return value
-
-    return parse
-
-
-def _float_in(low: float, high: float, low_open: bool = False):
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not (low < value <= high if low_open else low <= value <= high):
-            raise argparse.ArgumentTypeError(
-                f"{value} is not in {'(' if low_open else '['}{low}, {high}]"
-            )
-        return value
-
-    return parse
-
-
-def _device(text: str) -> str:
-    """A device this machine has: ``cpu``, ``cuda`` or ``cuda:N``."""
-    import torch
-
-    try:
-        device = torch.device(text)
-    except RuntimeError:
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise argparse.ArgumentTypeError(
-                f"{text}: this machine has {count} CUDA device(s); use --device cpu"
-                + (" or a lower index" if count else "")
-            )
-    return text
-
-
-positive_int = _int_at_least(1)
-
-
 class _Parser(argparse.ArgumentParser):
     """A usage error in one line: the full usage is one ``--help`` away."""
 
@@ -115,47 +65,10 @@ def _config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def _engine(args: argparse.Namespace):
-    """The ``LLM`` the engine arguments describe (``add_engine_arguments``)."""
-    from compile_runtime.engine.llm import LLM
-
-    # Sizes the user left out stay unset: the engine picks them for the model and machine.
-    sizes = {
-        name: getattr(args, name)
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_model_len",
-            "kv_cache_bytes",
-            "kv_cache_memory_fraction",
-            "max_loras",
-            "max_lora_rank",
-            "max_cpu_loras",
-        )
-        if getattr(args, name) is not None
-    }
-    return LLM(
-        args.model,
-        parse_config(args.compilation_config),
-        dtype=args.dtype,
-        quantization=args.quantization,
-        device=args.device,
-        use_transformers=args.use_transformers,
-        tensor_parallel_size=args.tensor_parallel_size,
-        data_parallel_size=args.data_parallel_size,
-        distributed_executor_backend=args.distributed_executor_backend,
-        num_threads=args.num_threads,
-        enable_prefix_caching=args.enable_prefix_caching,
-        speculative_config=args.speculative_config,
-        enable_lora=args.enable_lora,
-        **sizes,
-    )
-
-
 def _generate(args: argparse.Namespace) -> int:
     from compile_runtime.core.sampling_params import SamplingParams
 
-    llm = _engine(args)
+    llm = engine_from_args(args)
     params = SamplingParams(
         temperature=args.temperature,
         top_k=args.top_k,
@@ -220,9 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt (repeatable)")
     gen.add_argument("--max-tokens", type=positive_int, default=32)
-    gen.add_argument("--temperature", type=_float_in(0.0, float("inf")), default=0.0)
-    gen.add_argument("--top-k", type=_int_at_least(0), default=0, help="0: off")
-    gen.add_argument("--top-p", type=_float_in(0.0, 1.0, low_open=True), default=1.0)
+    gen.add_argument("--temperature", type=float_in(0.0, float("inf")), default=0.0)
+    gen.add_argument("--top-k", type=int_at_least(0), default=0, help="0: off")
+    gen.add_argument("--top-p", type=float_in(0.0, 1.0, low_open=True), default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--record-workload", metavar="FILE", help="write the step-size histogram")
@@ -231,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server on a model directory")
     add_engine_arguments(serve)
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=_int_at_least(0), default=8000)
+    serve.add_argument("--port", type=int_at_least(0), default=8000)
     serve.add_argument(
         "--served-model-name", default=None, help="the model id clients ask for (default: DIR)"
     )
@@ -290,110 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """What builds the engine (``_engine``), shared by ``generate`` and ``serve``."""
-    p.add_argument(
-        "--model",
-        required=True,
-        help="model directory (config.json + safetensors) or a .gguf file",
-    )
-    p.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")
-    p.add_argument(
-        "--dtype",
-        default="auto",
-        choices=list(DTYPE_CHOICES),
-        help="auto: the checkpoint's where this machine runs it well (bf16 on a CPU with "
-        "AVX512-BF16/AMX for 16-bit and quantized checkpoints), else float32",
-    )
-    p.add_argument(
-        "--quantization",
-        default="auto",
-        choices=["auto", "gguf", "none", "int8"],
-        help="auto: a GGUF file's Q8_0/Q4_0/Q4_1 weights kept quantized on a CPU, else none; "
-        "none: dequantize; int8: quantize a float checkpoint's linear weights (per 32)",
-    )
-    p.add_argument(
-        "--device", type=_device, default=None, help="cpu, cuda or cuda:N (default: cuda if any)"
-    )
-    p.add_argument(
-        "--max-num-seqs", type=positive_int, default=None, help="requests per step (default 256)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=positive_int,
-        default=None,
-        help="tokens per step (default 2048)",
-    )
-    p.add_argument(
-        "--max-model-len",
-        type=positive_int,
-        default=None,
-        help="prompt + output tokens per request (default: the model's positions, capped by "
-        "what the KV cache holds)",
-    )
-    p.add_argument(
-        "--kv-cache-bytes",
-        type=positive_int,
-        default=None,
-        help="CPU: bytes of KV cache (default: --kv-cache-memory-fraction of the available RAM)",
-    )
-    p.add_argument(
-        "--kv-cache-memory-fraction",
-        type=_float_in(0.0, 0.9, low_open=True),
-        default=None,
-        help="CPU: fraction of the available RAM for the KV cache (default 0.2)",
-    )
-    p.add_argument("--use-transformers", action="store_true", help="run through the adapter")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
-    p.add_argument(
-        "--data-parallel-size",
-        type=positive_int,
-        default=1,
-        help="engines, each a whole copy of the model in its own worker processes, sharing "
-        "the requests (default 1)",
-    )
-    p.add_argument(
-        "--distributed-executor-backend",
-        choices=["uni", "mp", "ray"],
-        default=None,
-        help="where the model runs: uni (this process), mp (worker processes), ray (default: "
-        "uni on one rank, mp on several; serve on a CPU: mp)",
-    )
-    p.add_argument(
-        "--num-threads",
-        type=positive_int,
-        default=None,
-        help="CPU threads (default: the free cores)",
-    )
-    p.add_argument(
-        "--speculative-config",
-        default=None,
-        metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\'',
-    )
-    p.add_argument(
-        "--enable-lora", action="store_true", help="serve LoRA adapters (PEFT directories)"
-    )
-    p.add_argument(
-        "--max-loras", type=positive_int, default=None, help="adapters in one step (default 1)"
-    )
-    p.add_argument(
-        "--max-lora-rank", type=positive_int, default=None, help="largest rank (default 16)"
-    )
-    p.add_argument(
-        "--max-cpu-loras",
-        type=positive_int,
-        default=None,
-        help="adapters kept read in memory (default: --max-loras)",
-    )
-    p.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="reuse the KV cache of prompt prefixes seen before (default: on)",
-    )
-
-
 def _serve(args: argparse.Namespace) -> int:
     from compile_runtime.device import default_device
     from compile_runtime.server.run import serve
@@ -408,7 +217,7 @@ def _serve(args: argparse.Namespace) -> int:
         # with HTTP, JSON and detokenizing: it serves more tokens/s than running it here
         # (benchmarks/serve_vs_vllm.py; the README's served table gives both).
         args.distributed_executor_backend = "mp"
-    return serve(args, _engine(args))
+    return serve(args, engine_from_args(args))
 
 
 def main(argv: list[str] | None = None) -> int:

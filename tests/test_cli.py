@@ -47,7 +47,9 @@ def test_serve_on_a_cpu_runs_the_model_in_a_worker_process(monkeypatch):
     from compile_runtime import cli
 
     seen = []
-    monkeypatch.setattr(cli, "_engine", lambda args: seen.append(args.distributed_executor_backend))
+    monkeypatch.setattr(
+        cli, "engine_from_args", lambda args: seen.append(args.distributed_executor_backend)
+    )
     monkeypatch.setattr(run, "serve", lambda args, llm: 0)
     assert cli.main(["serve", "--model", "m", "--device", "cpu"]) == 0
     assert cli.main(["serve", "--model", "m", "--device", "cpu", "--distributed-executor-backend",
@@ -61,9 +63,11 @@ def test_quantization_reaches_the_engine(monkeypatch):
 
     seen = []
     monkeypatch.setattr(llm_module, "LLM", lambda *a, **kw: seen.append(kw["quantization"]))
-    cli._engine(cli.build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"]))
+    cli.engine_from_args(
+        cli.build_parser().parse_args(["generate", "--model", "m", "--prompt", "x"])
+    )
     args = ["generate", "--model", "m", "--prompt", "x", "--quantization", "none"]
-    cli._engine(cli.build_parser().parse_args(args))
+    cli.engine_from_args(cli.build_parser().parse_args(args))
     assert seen == ["auto", "none"]
     with pytest.raises(SystemExit) as info:  # argparse names the choices
         cli.main(["generate", "--model", "m", "--prompt", "x", "--quantization", "q2"])

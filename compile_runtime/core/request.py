@@ -133,6 +133,29 @@ def capped_drafts(req: Request, proposed: list[int]) -> list[int]:
     return proposed[: max(room, 0)]
 
 
+def check_scheduler_sizes(
+    sizes: dict[str, int | None],
+    long_prefill_token_threshold: int | None,
+    enable_chunked_prefill: bool,
+) -> None:
+    """ValueError for a scheduler size below 1 (None: unchecked) or a chunk threshold
+    without chunked prefill."""
+    for name, value in sizes.items():
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+    if long_prefill_token_threshold is not None:
+        if long_prefill_token_threshold < 1:
+            raise ValueError(
+                f"long_prefill_token_threshold must be at least 1 or None, "
+                f"got {long_prefill_token_threshold}"
+            )
+        if not enable_chunked_prefill:
+            raise ValueError(
+                "long_prefill_token_threshold cuts prompts into chunks; it needs "
+                "enable_chunked_prefill=True"
+            )
+
+
 @dataclass(frozen=True)
 class AdmissionLimits:
     block_size: int

@@ -54,6 +54,7 @@ from compile_runtime.core.request import (
     RequestStatus,
     append_until_stop,
     capped_drafts,
+    check_scheduler_sizes,
 )
 from compile_runtime.core.scheduler_output import (
     ModelRunnerOutput,
@@ -90,26 +91,12 @@ class Scheduler:
         ``structured_outputs`` holds constrained requests' grammars (None: none admitted);
         ``max_loras``: distinct LoRA adapters the running requests may use at once (None:
         requests with an adapter are refused)."""
-        for name, value in (
-            ("block_size", block_size),
-            ("max_num_seqs", max_num_seqs),
-            ("max_num_batched_tokens", max_num_batched_tokens),
-            ("max_model_len", max_model_len),
-            ("vocab_size", vocab_size),
-        ):
-            if value is not None and value < 1:
-                raise ValueError(f"{name} must be at least 1, got {value}")
-        if long_prefill_token_threshold is not None:
-            if long_prefill_token_threshold < 1:
-                raise ValueError(
-                    f"long_prefill_token_threshold must be at least 1 or None, "
-                    f"got {long_prefill_token_threshold}"
-                )
-            if not enable_chunked_prefill:
-                raise ValueError(
-                    "long_prefill_token_threshold cuts prompts into chunks; it needs "
-                    "enable_chunked_prefill=True"
-                )
+        check_scheduler_sizes(
+            dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                 max_num_batched_tokens=max_num_batched_tokens, vocab_size=vocab_size),
+            long_prefill_token_threshold,
+            enable_chunked_prefill,
+        )  # fmt: skip
         self.block_pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -292,18 +279,7 @@ class Scheduler:
             if lora_id is not None:
                 adapters.add(lora_id)
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
-            out.scheduled_new_reqs.append(
-                NewRequestData(
-                    req_id=req.req_id,
-                    prompt_token_ids=req.all_token_ids,
-                    sampling_params=req.sampling_params,
-                    block_ids=list(req.block_ids),
-                    num_computed_tokens=req.num_computed_tokens,
-                    output_token_ids=list(req.output_token_ids),
-                    eos_token_ids=req.eos_token_ids,
-                    lora_request=req.lora_request,
-                )
-            )
+            out.scheduled_new_reqs.append(NewRequestData.of(req))
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
         if grammars is not None:

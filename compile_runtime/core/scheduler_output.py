@@ -34,6 +34,20 @@ class NewRequestData:
     eos_token_ids: tuple[int, ...] = ()
     lora_request: LoRARequest | None = None
 
+    @classmethod
+    def of(cls, req: Request) -> NewRequestData:
+        """What the runner needs of a request joining the batch (again, after preemption)."""
+        return cls(
+            req_id=req.req_id,
+            prompt_token_ids=req.all_token_ids,
+            sampling_params=req.sampling_params,
+            block_ids=list(req.block_ids),
+            num_computed_tokens=req.num_computed_tokens,
+            output_token_ids=list(req.output_token_ids),
+            eos_token_ids=req.eos_token_ids,
+            lora_request=req.lora_request,
+        )
+
 
 @dataclass
 class CachedRequestData:

@@ -8,5 +8,6 @@ which reaches the worker on every rank through an executor.
 * ``offline_call``: one ``generate`` call's requests stepped until done, and their outputs;
 * ``outputs``: ``RequestOutput`` / ``CompletionOutput`` (vLLM's shapes) and the call's stats;
 * ``incremental_text``: a request's text as tokens arrive, and its stop strings;
-* ``chat``: a conversation through the chat template, as prompt ids.
+* ``chat``: a conversation through the chat template, as prompt ids;
+* ``data_parallel``: ``DataParallelCore``, several engine cores behind one front end.
 """

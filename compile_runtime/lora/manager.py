@@ -65,15 +65,16 @@ class LoRAManager:
     def __init__(
         self,
         model: nn.Module,
-        *,
-        max_loras: int,
-        max_rank: int,
-        max_cpu_loras: int,
+        sizes: Any,
         max_num_tokens: int,
         dtype: torch.dtype,
         device: torch.device,
     ):
-        self.max_loras, self.max_rank, self.max_cpu_loras = max_loras, max_rank, max_cpu_loras
+        """``sizes``: the runner's config (``max_loras``, ``max_lora_rank``,
+        ``max_cpu_loras``)."""
+        max_loras, max_rank = sizes.max_loras, sizes.max_lora_rank
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.max_cpu_loras = sizes.max_cpu_loras or max_loras
         config = model.config
         self.shapes = projection_shapes(config)
         self.num_layers = config.num_hidden_layers

@@ -18,7 +18,8 @@ float weights), ``c_library`` (builds them from ``csrc/``, typed by ``c_header``
 headers), ``native_function`` (a C function a CPU graph can record), ``hugepages`` (weights
 moved into huge pages); quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1
 blocks in the kernels' layout), ``cpu_quant_gemm`` (the int8 VNNI kernel),
-``cpu_quant_embedding`` (lookups that dequantize only their rows).
+``cpu_quant_embedding`` (lookups that dequantize only their rows); ``cpu_lora`` (each
+token's LoRA adapter added to a linear layer's output, the C kernel of ``csrc/lora.c``).
 """
 
 from __future__ import annotations

@@ -6,8 +6,7 @@ dispatcher for the runtime mode and padded size, builds attention metadata once
 (attention/groups.py), runs the forward inside a forward context, then computes the
 logits the step needs in one call. ``sample_tokens`` samples (or verifies drafts) and,
 with speculative decoding, proposes the next drafts (sampling_step.py). The state
-between the two calls lives in one
-``ExecuteModelState``. Start-up is ``__init__`` (threads, weights, buffers) then
+between the two calls lives in one ``ExecuteModelState``. Start-up is ``__init__`` (threads, weights, buffers) then
 ``initialize``: the first forward, the CUDA graph plan (cudagraph_plan.py), the KV
 cache (startup.py), the capture.
 
@@ -34,10 +33,9 @@ from compile_runtime.compiler.decorator import backend_seconds, set_graph_factor
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.capture import CaptureInputs, CaptureReport, capture
+from compile_runtime.cudagraph.capture import CaptureReport, capture
 from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, records_cpu_graphs
 from compile_runtime.cudagraph.dispatcher import (
-    BatchDescriptor,
     CudagraphDispatcher,
     is_uniform_decode,
 )
@@ -50,11 +48,13 @@ from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.capture_sizes import cpu_capture_config
 from compile_runtime.planner.workload import Workload
+from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.cpu_threads import set_num_threads
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.worker.input_batch import InputBatch
 from compile_runtime.worker.kv_sizing import size_runner_config
+from compile_runtime.worker.microbatch import microbatch_split, run_microbatches
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.sampler import Sampler
 from compile_runtime.worker.sampling_step import broadcast_tokens, prompt_logprobs, sample
@@ -69,7 +69,6 @@ from compile_runtime.worker.startup import (
 from compile_runtime.worker.step_inputs import (
     StepBuffers,
     StepInputs,
-    capture_query_lens,
     check_token_ids,
     flatten_step,
     hidden_rows,
@@ -152,15 +151,7 @@ class ModelRunner:
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
         if c.enable_lora:
-            self.lora = LoRAManager(
-                self.model,
-                max_loras=c.max_loras,
-                max_rank=c.max_lora_rank,
-                max_cpu_loras=c.max_cpu_loras or c.max_loras,
-                max_num_tokens=self.max_num_tokens,
-                dtype=dtype,
-                device=self.device,
-            )
+            self.lora = LoRAManager(self.model, c, self.max_num_tokens, dtype, self.device)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
         self.buffers = StepBuffers(self.max_num_tokens, self.device)
         self.metadata_groups = metadata_groups(
@@ -229,42 +220,13 @@ class ModelRunner:
             pool = self.graph_factory.pool() if self.graph_factory else None
             with torch.inference_mode():
                 self.capture_report = capture(
-                    plan.forward_model, self._capture_inputs, self.dispatcher, graph_pool=pool
+                    plan.forward_model,
+                    functools.partial(capture_inputs, self),
+                    self.dispatcher,
+                    graph_pool=pool,
                 )
             times.graphs = time.perf_counter() - start
             times.graph_sizes = self.capture_report.sizes_line()
-
-    def _capture_inputs(self, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
-        """Inputs of a capture; attention metadata only where the graph holds attention (FULL).
-
-        Under PIECEWISE attention runs between the graphs, so the capture runs
-        it without metadata (dense, no cache). A FULL capture gets a batch whose
-        block tables point at block 1 and whose writes go to the null slot.
-        """
-        n = descriptor.num_tokens
-        args = self.buffers.forward_args(n)
-        if mode != CUDAGraphMode.FULL:
-            return CaptureInputs(args=args)
-        c = self.config
-        query_lens = capture_query_lens(n, descriptor.num_reqs, c.max_model_len, c.max_num_seqs)
-        block_table = torch.ones(
-            (len(query_lens), self.input_batch.block_table.max_blocks_per_req),
-            dtype=torch.int32,
-            device=self.device,
-        )
-        slots = self.buffers.slot_mapping[:n]
-        slots.fill_(-1)
-        metadata = build_metadata(
-            self.metadata_groups,
-            query_start_loc(np.cumsum(query_lens)),
-            torch.from_numpy(query_lens.copy()),
-            block_table,
-            slots,
-            n,
-            num_padded_tokens=n,
-            for_cudagraph=True,
-        )
-        return CaptureInputs(args=args, attn_metadata=metadata)
 
     def release(self) -> None:
         """Give back the KV cache and the FULL graphs (``LLM.shutdown``); the runner cannot step after."""
@@ -314,20 +276,21 @@ class ModelRunner:
             )
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
+        # Data-parallel lockstep: a decode graph only if every engine's step is a decode.
         uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
-        if so.dp_uniform_decode is not None:  # lockstep: a decode graph only if every engine's
-            uniform_decode = uniform_decode and so.dp_uniform_decode
+        uniform_decode = uniform_decode and so.dp_uniform_decode is not False
         self.workload.record(total, uniform_decode)
         check_token_ids(step.token_ids, self.vocab_size)
         loras = [batch.requests[r].lora_request for r in step.req_ids] if self.lora else []
-        split = self._microbatch_split(step, so.dp_microbatch)
+        split = microbatch_split(step, self.config, so.dp_microbatch)
         if split is not None:
             self.buffers.load(step, total)
-            hidden = self._run_microbatches(step, split, loras)
+            hidden = run_microbatches(self, step, split, loras)
             mode, unreplayed = CUDAGraphMode.NONE, "micro-batched"
             self.unreplayed[unreplayed] += 1
         else:
-            hidden, mode, unreplayed = self._run_step(step, total, uniform_decode, loras, so)
+            target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
+            hidden, mode, unreplayed = self._run_step(step, target, uniform_decode, loras)
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.
@@ -347,16 +310,10 @@ class ModelRunner:
             grammar_bitmask=so.grammar_bitmask,
         )
 
-    def _run_step(
-        self,
-        step: StepInputs,
-        total: int,
-        uniform_decode: bool,
-        loras: list,
-        so: SchedulerOutput,
-    ) -> tuple[torch.Tensor, CUDAGraphMode, str | None]:
-        """The step's forward in one piece: hidden states, runtime mode, why no graph ran."""
-        target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
+    def _run_step(self, step: StepInputs, target: int, uniform: bool, loras: list) -> tuple:
+        """The step's forward in one piece, padded to at least ``target`` tokens: hidden
+        states, runtime mode, why no graph ran."""
+        uniform_decode, total = uniform, step.total
         has_lora = False
         if self.lora is not None:
             padded_size = self.dispatcher.padded_size(target, uniform_decode) or target
@@ -385,44 +342,6 @@ class ModelRunner:
             forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
             hidden = forward(*self.buffers.forward_args(padded))
         return hidden, mode, unreplayed
-
-    def _microbatch_split(self, step: StepInputs, agreed: bool | None) -> int | None:
-        """How many of the step's requests go in the first of two micro-batches (the request
-        boundary nearest half its tokens), or None: not split. ``agreed``: the data-parallel
-        engines' decision in lockstep (None: this engine's own, ``enable_microbatching``)."""
-        wanted = self.config.enable_microbatching if agreed is None else agreed
-        n, total = len(step.req_ids), step.total
-        if not wanted or n < 2 or total < self.config.microbatching_token_threshold:
-            return None
-        boundaries = step.cu_num_scheduled[:-1]
-        return int(np.argmin(np.abs(boundaries - total / 2))) + 1
-
-    def _run_microbatches(self, step: StepInputs, split: int, loras: list) -> torch.Tensor:
-        """The step's forward as two micro-batches, each with its own attention metadata (and
-        adapter map), one after the other without graphs; their hidden states joined."""
-        cu = step.cu_num_scheduled
-        parts = []
-        for lo, hi in ((0, split), (split, len(step.req_ids))):
-            t0, t1 = (int(cu[lo - 1]) if lo else 0), int(cu[hi - 1])
-            has_lora = False
-            if self.lora is not None:
-                has_lora = self.lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
-            metadata = build_metadata(
-                self.metadata_groups,
-                query_start_loc(cu[lo:hi] - t0),
-                torch.from_numpy(step.seq_lens[lo:hi].astype(np.int32)),
-                self.input_batch.block_table.gather(step.rows[lo:hi]),
-                self.buffers.slot_mapping[t0:t1],
-                t1 - t0,
-                num_padded_tokens=t1 - t0,
-            )
-            descriptor = BatchDescriptor(t1 - t0, has_lora=has_lora)
-            with set_forward_context(metadata, batch_descriptor=descriptor):
-                hidden = self.cudagraph_plan.bare_model(
-                    self.buffers.input_ids[t0:t1], self.buffers.positions[t0:t1]
-                )
-            parts.append(hidden.clone() if not parts else hidden)  # the next forward may reuse it
-        return torch.cat(parts)
 
     def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list]:
         """Per sampling request its tokens and logprobs: rank 0 samples (or verifies drafts),

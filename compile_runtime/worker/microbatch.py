@@ -1,0 +1,59 @@
+"""A step split into two micro-batches at a request boundary, each run with its own
+attention metadata (and adapter map), one after the other without graphs.
+
+The design's micro-batching overlaps one half's communication with the other's compute
+on a GPU; on a CPU it is correctness only: the sliced step gives the same tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from compile_runtime.attention.groups import build_metadata
+from compile_runtime.cudagraph.dispatcher import BatchDescriptor
+from compile_runtime.forward_context import set_forward_context
+from compile_runtime.worker.step_inputs import StepInputs, query_start_loc
+
+
+def microbatch_split(step: StepInputs, config: Any, agreed: bool | None) -> int | None:
+    """How many of the step's requests go in the first micro-batch (the request boundary
+    nearest half its tokens), or None: not split. ``agreed``: the data-parallel engines'
+    decision in lockstep (None: this engine's own, ``config.enable_microbatching``)."""
+    wanted = config.enable_microbatching if agreed is None else agreed
+    n, total = len(step.req_ids), step.total
+    if not wanted or n < 2 or total < config.microbatching_token_threshold:
+        return None
+    boundaries = step.cu_num_scheduled[:-1]
+    return int(np.argmin(np.abs(boundaries - total / 2))) + 1
+
+
+def run_microbatches(runner: Any, step: StepInputs, split: int, loras: list) -> torch.Tensor:
+    """The step's hidden states, computed as two micro-batches (``runner``: the ModelRunner,
+    the step's tokens in its buffers already)."""
+    cu = step.cu_num_scheduled
+    buffers = runner.buffers
+    parts = []
+    for lo, hi in ((0, split), (split, len(step.req_ids))):
+        t0, t1 = (int(cu[lo - 1]) if lo else 0), int(cu[hi - 1])
+        has_lora = False
+        if runner.lora is not None:
+            has_lora = runner.lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
+        metadata = build_metadata(
+            runner.metadata_groups,
+            query_start_loc(cu[lo:hi] - t0),
+            torch.from_numpy(step.seq_lens[lo:hi].astype(np.int32)),
+            runner.input_batch.block_table.gather(step.rows[lo:hi]),
+            buffers.slot_mapping[t0:t1],
+            t1 - t0,
+            num_padded_tokens=t1 - t0,
+        )
+        descriptor = BatchDescriptor(t1 - t0, has_lora=has_lora)
+        with set_forward_context(metadata, batch_descriptor=descriptor):
+            hidden = runner.cudagraph_plan.bare_model(
+                buffers.input_ids[t0:t1], buffers.positions[t0:t1]
+            )
+        parts.append(hidden.clone() if not parts else hidden)  # the next forward may reuse it
+    return torch.cat(parts)
