@@ -20,6 +20,7 @@ from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor.base import ExecutorError
 from compile_runtime.worker import startup
+from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     cuda_kv_budget,
@@ -206,20 +207,20 @@ def runner(model_dirs):
 def test_piecewise_capture_runs_attention_without_metadata(runner):
     """A PIECEWISE graph does not hold attention: no graph metadata is built (FlashInfer would
     refuse it for a batch that is not a uniform decode)."""
-    inputs = runner._capture_inputs(BatchDescriptor(96), CUDAGraphMode.PIECEWISE)
+    inputs = capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.PIECEWISE)
     assert inputs.attn_metadata is None
     assert inputs.args[0].shape[0] == 96
 
 
 def test_full_capture_splits_tokens_past_max_model_len_over_requests(runner):
-    inputs = runner._capture_inputs(BatchDescriptor(96), CUDAGraphMode.FULL)
+    inputs = capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.FULL)
     metadata = inputs.attn_metadata
     query_lens = metadata.query_lens_cpu
     assert int(query_lens.sum()) == 96
     assert int(query_lens.max()) <= 32  # max_model_len
     assert len(query_lens) == 3
-    decode = runner._capture_inputs(
-        BatchDescriptor(4, num_reqs=4, uniform=True), CUDAGraphMode.FULL
+    decode = capture_inputs(
+        runner, BatchDescriptor(4, num_reqs=4, uniform=True), CUDAGraphMode.FULL
     ).attn_metadata
     assert decode.query_lens_cpu.tolist() == [1, 1, 1, 1]
 

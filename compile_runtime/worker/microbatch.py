@@ -18,13 +18,11 @@ from compile_runtime.forward_context import set_forward_context
 from compile_runtime.worker.step_inputs import StepInputs, query_start_loc
 
 
-def microbatch_split(step: StepInputs, config: Any, agreed: bool | None) -> int | None:
+def microbatch_split(step: StepInputs, threshold: int) -> int | None:
     """How many of the step's requests go in the first micro-batch (the request boundary
-    nearest half its tokens), or None: not split. ``agreed``: the data-parallel engines'
-    decision in lockstep (None: this engine's own, ``config.enable_microbatching``)."""
-    wanted = config.enable_microbatching if agreed is None else agreed
+    nearest half its tokens), or None: too few requests or tokens (``threshold``) to split."""
     n, total = len(step.req_ids), step.total
-    if not wanted or n < 2 or total < config.microbatching_token_threshold:
+    if n < 2 or total < threshold:
         return None
     boundaries = step.cu_num_scheduled[:-1]
     return int(np.argmin(np.abs(boundaries - total / 2))) + 1

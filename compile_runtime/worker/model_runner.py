@@ -282,7 +282,9 @@ class ModelRunner:
         self.workload.record(total, uniform_decode)
         check_token_ids(step.token_ids, self.vocab_size)
         loras = [batch.requests[r].lora_request for r in step.req_ids] if self.lora else []
-        split = microbatch_split(step, self.config, so.dp_microbatch)
+        split = None  # micro-batches: the engines' decision in lockstep, else this engine's
+        if so.dp_microbatch or (so.dp_microbatch is None and self.config.enable_microbatching):
+            split = microbatch_split(step, self.config.microbatching_token_threshold)
         if split is not None:
             self.buffers.load(step, total)
             hidden = run_microbatches(self, step, split, loras)
