@@ -135,15 +135,6 @@ class LoRAManager:
         self._loaded[slot] = adapter.request
         self.num_loads += 1
 
-    def remove(self, lora_id: int) -> None:
-        """Forget an adapter (unloaded by the server): its slot is cleared, its copy dropped."""
-        self.adapters.pop(lora_id, None)
-        slot = self.slot_of.pop(lora_id, None)
-        if slot is not None:
-            for slots in self.layers.values():
-                slots.clear(slot)
-            self._loaded.pop(slot, None)
-
     def prepare_step(
         self, lora_requests: Sequence[LoRARequest | None], num_scheduled: np.ndarray, padded: int
     ) -> bool:
@@ -165,10 +156,3 @@ class LoRAManager:
             host[total:padded] = -1
         self.token_slots[:padded].copy_(torch.from_numpy(host[:padded]))
         return bool(used)
-
-    def info(self) -> dict[str, Any]:
-        return {
-            "slots": {slot: r.lora_name for slot, r in sorted(self._loaded.items())},
-            "loads": self.num_loads,
-            "evictions": self.num_evictions,
-        }
