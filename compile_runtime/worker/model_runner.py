@@ -312,10 +312,10 @@ class ModelRunner:
             grammar_bitmask=so.grammar_bitmask,
         )
 
-    def _run_step(self, step: StepInputs, target: int, uniform: bool, loras: list) -> tuple:
+    def _run_step(self, step: StepInputs, target: int, uniform_decode: bool, loras: list) -> tuple:
         """The step's forward in one piece, padded to at least ``target`` tokens: hidden
         states, runtime mode, why no graph ran."""
-        uniform_decode, total = uniform, step.total
+        total = step.total
         has_lora = False
         if self.lora is not None:
             padded_size = self.dispatcher.padded_size(target, uniform_decode) or target
