@@ -25,6 +25,11 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def positive_int_list(text: str) -> tuple[int, ...]:
+    """``"16,14"`` -> ``(16, 14)``."""
+    return tuple(positive_int(part.strip()) for part in text.split(","))
+
+
 def int_at_least(minimum: int):
     def parse(text: str) -> int:
         try:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from compile_runtime.argtypes import device, float_in, positive_int
+from compile_runtime.argtypes import device, float_in, positive_int, positive_int_list
 from compile_runtime.config import parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
 
@@ -64,7 +64,20 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         help="CPU: fraction of the available RAM for the KV cache (default 0.2)",
     )
     p.add_argument("--use-transformers", action="store_true", help="run through the adapter")
-    p.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    p.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    p.add_argument(
+        "--pipeline-parallel-size",
+        "-pp",
+        type=positive_int,
+        default=1,
+        help="stages the layers are split into, each on --tensor-parallel-size ranks (default 1)",
+    )
+    p.add_argument(
+        "--pipeline-layer-partition",
+        type=positive_int_list,
+        default=None,
+        help="layers per stage, e.g. 16,14 (default: an even split)",
+    )
     p.add_argument(
         "--data-parallel-size",
         type=positive_int,
@@ -141,6 +154,8 @@ def engine_from_args(args: argparse.Namespace):
         device=args.device,
         use_transformers=args.use_transformers,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        pipeline_layer_partition=args.pipeline_layer_partition,
         data_parallel_size=args.data_parallel_size,
         distributed_executor_backend=args.distributed_executor_backend,
         num_threads=args.num_threads,

@@ -41,7 +41,7 @@ def as_rank(monkeypatch):
     monkeypatch.setattr(vocab_mod, "gather_to_first_rank", lambda x, dim=-1: x)
 
     def set_rank(rank: int, world: int) -> None:
-        monkeypatch.setattr(ps, "_state", ps.ParallelState(rank, world, "gloo", "0"))
+        monkeypatch.setattr(ps, "_state", ps.ParallelState(rank, world, "gloo", None, "0"))
 
     yield set_rank
 

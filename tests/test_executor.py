@@ -245,7 +245,7 @@ def test_backend_choice():
 
     assert executor_class(None, 1) is UniProcExecutor
     assert executor_class(None, 2) is MultiprocExecutor
-    with pytest.raises(ValueError, match="needs 'mp' or 'ray'"):
+    with pytest.raises(ValueError, match="need 'mp' or 'ray'"):
         executor_class("uni", 2)
     with pytest.raises(ValueError, match="not one of"):
         executor_class("threads", 2)

@@ -102,6 +102,7 @@ def key_factors(
     pass_uuid: str,
     device: torch.device | str | None = None,
     world_size: int = 1,
+    pipeline_stage: str = "0 of 1",
 ) -> dict[str, Any]:
     hashed = config.model_dump(mode="json", exclude=set(config.HASH_EXCLUDED_FIELDS))
     return {
@@ -112,6 +113,8 @@ def key_factors(
         "device": device_kind(device, threads=thread_count_baked_in(config)),
         "passes": pass_uuid,
         "world_size": world_size,
+        # A stage's graph holds its own layers; two stages with equal graphs still differ.
+        "pipeline_stage": pipeline_stage,
     }
 
 

@@ -39,7 +39,7 @@ from compile_runtime.compiler.split import (
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_piece
-from compile_runtime.distributed.parallel_state import rank, world_size
+from compile_runtime.distributed.parallel_state import pipeline_stage_name, rank, world_size
 from compile_runtime.passes.manager import PassManager
 
 logger = logging.getLogger(__name__)
@@ -248,6 +248,7 @@ class GraphCompiler:
             pass_uuid=self.pass_manager.uuid(),
             device=_graph_device(fake_args),
             world_size=world_size(),
+            pipeline_stage=pipeline_stage_name(),
         )
         return self.key_factors
 

@@ -26,7 +26,7 @@ from compile_runtime.compiler.graph_compiler import GraphCompiler
 from compile_runtime.compiler.piece_store import CompileResult, PieceRecord, load_pieces
 from compile_runtime.config import CompilationConfig
 from compile_runtime.counters import compilation_counter
-from compile_runtime.distributed.parallel_state import rank, world_size
+from compile_runtime.distributed.parallel_state import pipeline_stage_name, rank, world_size
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,7 @@ def program_for_call(
             pass_uuid=compiler.pass_manager.uuid(),
             device=device,
             world_size=world_size(),
+            pipeline_stage=pipeline_stage_name(),
         )
     except saved_program.NotSaveable as e:
         logger.info("%s: no saved program (%s); it traces at every start", forward.model_name, e)

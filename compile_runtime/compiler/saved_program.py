@@ -135,9 +135,16 @@ def program_factors(
     pass_uuid: str,
     device: torch.device | None,
     world_size: int,
+    pipeline_stage: str = "0 of 1",
 ) -> dict[str, Any]:
     factors = key_factors(
-        config, graph_hash="", sources={}, pass_uuid=pass_uuid, device=device, world_size=world_size
+        config,
+        graph_hash="",
+        sources={},
+        pass_uuid=pass_uuid,
+        device=device,
+        world_size=world_size,
+        pipeline_stage=pipeline_stage,
     )
     del factors["graph"], factors["sources"]
     return {

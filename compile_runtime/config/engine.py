@@ -221,6 +221,12 @@ class EngineConfig(CheckedConfig):
     device: str | None = None  # None: CUDA when available, else CPU
     use_transformers: bool = False
     tensor_parallel_size: int = Field(1, ge=1, description="ranks the model is split over")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="stages the layers are split into, each on tensor_parallel_size ranks"
+    )
+    pipeline_layer_partition: tuple[int, ...] | None = Field(
+        None, description="layers per pipeline stage, e.g. (16, 14); None: an even split"
+    )
     data_parallel_size: int = Field(
         1, ge=1, description="engines, each a whole copy of the model, sharing the requests"
     )
@@ -235,6 +241,11 @@ class EngineConfig(CheckedConfig):
     startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
     # Environment variables set in every worker (Ray workers do not inherit the driver's).
     worker_env: dict[str, str] = Field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine: every pipeline stage's tensor-parallel ranks."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @field_validator("dtype")
     @classmethod

@@ -1,10 +1,13 @@
-"""Tensor parallelism: process group state (``parallel_state``), collectives
-(``communication``), parallel layers (``linear``; ``vocab``: embedding and LM head) and how
+"""Tensor and pipeline parallelism: process group state and stages (``parallel_state``),
+collectives and the stage hand-over (``communication``), which layers a stage holds
+(``pipeline``), parallel layers (``linear``; ``vocab``: embedding and LM head) and how
 a model's dimensions divide over ranks (``sharding``)."""
 
 from compile_runtime.distributed.communication import (
-    broadcast_from_first_rank,
+    broadcast_from_sampling_rank,
     gather_to_first_rank,
+    receive_from_previous_stage,
+    send_to_next_stage,
     tensor_parallel_all_reduce,
 )
 from compile_runtime.distributed.linear import (
@@ -19,9 +22,12 @@ from compile_runtime.distributed.parallel_state import (
     destroy_distributed,
     free_port,
     get_parallel_state,
+    get_pp_rank,
+    get_pp_world_size,
     get_tp_rank,
     get_tp_world_size,
     init_distributed,
+    sampling_rank,
 )
 from compile_runtime.distributed.sharding import (
     TensorParallelConfigError,
@@ -39,16 +45,21 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallelConfigError",
     "VocabParallelEmbedding",
-    "broadcast_from_first_rank",
+    "broadcast_from_sampling_rank",
     "check_tensor_parallel",
     "default_backend",
     "destroy_distributed",
     "free_port",
     "gather_to_first_rank",
+    "get_pp_rank",
+    "get_pp_world_size",
     "get_tp_rank",
     "get_tp_world_size",
     "head_layout",
     "init_distributed",
     "get_parallel_state",
+    "receive_from_previous_stage",
+    "sampling_rank",
+    "send_to_next_stage",
     "tensor_parallel_all_reduce",
 ]

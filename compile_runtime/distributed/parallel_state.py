@@ -1,9 +1,12 @@
-"""Who this process is in the tensor-parallel group.
+"""Who this process is: its tensor-parallel group and its pipeline stage.
 
-One group: every rank of the job holds one slice of every layer (no
-pipeline stages). Model code asks ``get_tp_rank()`` / ``get_tp_world_size()``
-at construction; without ``init_distributed`` a process is rank 0 of 1 and
-every parallel layer behaves like its plain counterpart.
+The job's ``world_size`` ranks form ``pipeline_parallel_size`` stages of
+``world_size / pipeline_parallel_size`` consecutive ranks; the ranks of one
+stage are one tensor-parallel group (each holds a slice of the stage's
+layers), and rank ``r`` hands its hidden states on to rank ``r + tp_size``.
+Model code asks ``get_tp_rank()`` / ``get_tp_world_size()`` / ``get_pp_rank()``
+at construction; without ``init_distributed`` a process is rank 0 of 1, stage
+0 of 1, and every parallel layer behaves like its plain counterpart.
 """
 
 from __future__ import annotations
@@ -23,10 +26,25 @@ LOOPBACK = "127.0.0.1"
 
 @dataclass(frozen=True)
 class ParallelState:
-    rank: int
+    rank: int  # in the whole job
     world_size: int
     backend: str  # "gloo" or "nccl"
-    group_name: str  # the process group's name, as functional collectives take it
+    tp_group: dist.ProcessGroup  # this stage's ranks
+    group_name: str  # the tensor-parallel group's name, as functional collectives take it
+    pp_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None  # layers per stage; None: even split
+
+    @property
+    def tp_size(self) -> int:
+        return self.world_size // self.pp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp_size
 
 
 _state: ParallelState | None = None
@@ -50,8 +68,11 @@ def init_distributed(
     *,
     backend: str = "gloo",
     timeout_s: float = 600.0,
+    pipeline_parallel_size: int = 1,
+    pipeline_layer_partition: tuple[int, ...] | None = None,
 ) -> ParallelState:
-    """Join the job's process group as ``rank`` of ``world_size``."""
+    """Join the job's process group as ``rank`` of ``world_size``, then the tensor-parallel
+    group of its pipeline stage (every rank creates every stage's group, as torch requires)."""
     global _state
     if _state is not None:
         raise RuntimeError(
@@ -60,6 +81,11 @@ def init_distributed(
         )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    if world_size % pipeline_parallel_size:
+        raise ValueError(
+            f"world_size={world_size} is not a whole number of pipeline_parallel_size="
+            f"{pipeline_parallel_size} stages"
+        )
     dist.init_process_group(
         backend,
         init_method=init_method,
@@ -67,8 +93,32 @@ def init_distributed(
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
     )
-    _state = ParallelState(rank, world_size, backend, dist.group.WORLD.group_name)
-    logger.info("rank %d of %d joined the %s group (%s)", rank, world_size, backend, init_method)
+    tp_group = dist.group.WORLD
+    if pipeline_parallel_size > 1:
+        tp_size = world_size // pipeline_parallel_size
+        for stage in range(pipeline_parallel_size):
+            ranks = list(range(stage * tp_size, (stage + 1) * tp_size))
+            group = dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+            if rank in ranks:
+                tp_group = group
+    _state = ParallelState(
+        rank,
+        world_size,
+        backend,
+        tp_group,
+        tp_group.group_name,
+        pipeline_parallel_size,
+        pipeline_layer_partition,
+    )
+    logger.info(
+        "rank %d of %d (stage %d of %d) joined the %s group (%s)",
+        rank,
+        world_size,
+        _state.pp_rank,
+        pipeline_parallel_size,
+        backend,
+        init_method,
+    )
     return _state
 
 
@@ -84,11 +134,38 @@ def get_parallel_state() -> ParallelState | None:
 
 
 def get_tp_rank() -> int:
-    return _state.rank if _state is not None else 0
+    return _state.tp_rank if _state is not None else 0
 
 
 def get_tp_world_size() -> int:
-    return _state.world_size if _state is not None else 1
+    return _state.tp_size if _state is not None else 1
+
+
+def get_pp_rank() -> int:
+    """This process's pipeline stage (0 outside a pipeline)."""
+    return _state.pp_rank if _state is not None else 0
+
+
+def get_pp_world_size() -> int:
+    return _state.pp_size if _state is not None else 1
+
+
+def pipeline_stage_name() -> str:
+    """``"<stage> of <stages>"``: the compile cache key's part for the stage."""
+    return f"{get_pp_rank()} of {get_pp_world_size()}"
+
+
+def get_tp_group() -> dist.ProcessGroup:
+    if _state is None:
+        raise RuntimeError("no tensor-parallel group: call init_distributed() first")
+    return _state.tp_group
+
+
+def sampling_rank() -> int:
+    """The rank that samples: the first rank of the last stage (it holds the logits)."""
+    if _state is None:
+        return 0
+    return (_state.pp_size - 1) * _state.tp_size
 
 
 def get_tp_group_name() -> str:

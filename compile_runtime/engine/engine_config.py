@@ -72,9 +72,12 @@ def decide_engine_config(
     # Decided before any worker starts: starting workers would count each other as busy cores,
     # and every rank must get the same sizes.
     tp_size, dp_size = config.tensor_parallel_size, config.data_parallel_size
-    runner_config = choose_num_threads(config.runner_config, device, tp_size * dp_size)
+    ranks = config.world_size * dp_size  # processes sharing this machine's cores and RAM
+    runner_config = choose_num_threads(config.runner_config, device, ranks)
     if dp_size > 1:  # each engine its share of the RAM the KV caches may take
         share = config.runner_config.kv_cache_memory_fraction / dp_size
         runner_config = runner_config.model_copy(update={"kv_cache_memory_fraction": share})
-    runner_config = size_runner_config(runner_config, hf_config, resolved_dtype, device, tp_size)
+    runner_config = size_runner_config(
+        runner_config, hf_config, resolved_dtype, device, tp_size, config.pipeline_parallel_size
+    )
     return config.model_copy(update={"runner_config": runner_config}), hf_config

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from compile_runtime.config import ConfigError, EngineConfig
+from compile_runtime.distributed.pipeline import PipelineConfigError, stage_layer_counts
 from compile_runtime.distributed.sharding import TensorParallelConfigError, check_tensor_parallel
 from compile_runtime.executor.base import Executor, ExecutorError, WorkerDiedError, WorkerInfo
 from compile_runtime.executor.multiproc import MultiprocExecutor
@@ -23,17 +24,18 @@ from compile_runtime.models.llama import ARCHITECTURES
 BACKENDS = ("uni", "mp", "ray")
 
 
-def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Executor]:
-    """The executor for ``distributed_executor_backend`` (None: "uni" on one rank, else "mp")."""
+def executor_class(backend: str | None, world_size: int) -> type[Executor]:
+    """The executor for ``distributed_executor_backend`` (None: "uni" on one rank, else "mp");
+    ``world_size``: the engine's ranks (tensor x pipeline parallel)."""
     if backend is None:
-        backend = "uni" if tensor_parallel_size == 1 else "mp"
+        backend = "uni" if world_size == 1 else "mp"
     if backend not in BACKENDS:
         raise ValueError(f"distributed_executor_backend={backend!r} is not one of {list(BACKENDS)}")
     if backend == "uni":
-        if tensor_parallel_size != 1:
+        if world_size != 1:
             raise ValueError(
                 f"distributed_executor_backend='uni' runs one rank in this process; "
-                f"tensor_parallel_size={tensor_parallel_size} needs 'mp' or 'ray'"
+                f"{world_size} ranks (tensor x pipeline parallel) need 'mp' or 'ray'"
             )
         return UniProcExecutor
     if backend == "mp":
@@ -45,21 +47,29 @@ def executor_class(backend: str | None, tensor_parallel_size: int) -> type[Execu
 def check_model(config: EngineConfig, hf_config: Any) -> None:
     """Reject, before any worker starts, a model this configuration cannot run."""
     config.runner_config.check_model(hf_config, config.model_dir)
-    check_model_for_tensor_parallel(config, hf_config)
+    check_model_for_parallelism(config, hf_config)
 
 
-def check_model_for_tensor_parallel(config: EngineConfig, hf_config: Any) -> None:
-    """Reject a model that cannot run on ``tensor_parallel_size`` ranks."""
-    if config.tensor_parallel_size == 1:
+def check_model_for_parallelism(config: EngineConfig, hf_config: Any) -> None:
+    """Reject a model that cannot run on ``tensor_parallel_size`` ranks per stage in
+    ``pipeline_parallel_size`` stages."""
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if tp == pp == 1:
         return
     if config.use_transformers or hf_config.model_type not in ARCHITECTURES:
         raise TensorParallelConfigError(
-            f"tensor_parallel_size={config.tensor_parallel_size} needs a native model "
+            f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs a native model "
             f"({sorted(ARCHITECTURES)}); {hf_config.model_type!r}"
             f"{' through the transformers adapter' if config.use_transformers else ''} runs on "
             "one rank only"
         )
-    check_tensor_parallel(hf_config, config.tensor_parallel_size)
+    check_tensor_parallel(hf_config, tp)
+    stage_layer_counts(hf_config.num_hidden_layers, pp, config.pipeline_layer_partition)
+    if pp > 1 and config.runner_config.enable_microbatching:
+        raise PipelineConfigError(
+            "enable_microbatching with pipeline_parallel_size > 1: the stages already overlap "
+            "whole steps; turn one of them off"
+        )
 
 
 def make_executor(config: EngineConfig, hf_config: Any, backend: str | None = None) -> Executor:
@@ -67,7 +77,7 @@ def make_executor(config: EngineConfig, hf_config: Any, backend: str | None = No
 
     ``hf_config``: the model's config as the engine read it (models/registry.py), handed to
     every worker so none reads it again."""
-    cls = executor_class(backend, config.tensor_parallel_size)
+    cls = executor_class(backend, config.world_size)
     if cls.local_ranks:
         check_device_available(config)
     check_model(config, hf_config)
@@ -85,11 +95,11 @@ def check_device_available(config: EngineConfig) -> None:
             f"{torch.__version__}, a {build} build); use device='cpu' or leave device unset"
         )
     index = torch.device(config.device).index
-    last = index if index is not None else config.tensor_parallel_size - 1
+    last = index if index is not None else config.world_size - 1
     if last >= torch.cuda.device_count():
         raise ConfigError(
-            f"EngineConfig.device={config.device!r} with tensor_parallel_size="
-            f"{config.tensor_parallel_size} needs GPU {last}, but this machine has "
+            f"EngineConfig.device={config.device!r} with {config.world_size} ranks "
+            f"(tensor x pipeline parallel) needs GPU {last}, but this machine has "
             f"{torch.cuda.device_count()}; use a lower index or fewer ranks"
         )
 

@@ -45,7 +45,12 @@ class Executor(abc.ABC):
 
     @property
     def world_size(self) -> int:
-        return self.config.tensor_parallel_size
+        return self.config.world_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank that samples and answers each step: the last stage's first rank."""
+        return self.world_size - self.config.tensor_parallel_size
 
     @property
     def num_blocks(self) -> int:
@@ -63,7 +68,7 @@ class Executor(abc.ABC):
 
     @abc.abstractmethod
     def sample_tokens(self) -> ModelRunnerOutput:
-        """The step's sampled tokens (from rank 0); raises ``WorkerDiedError`` on a failure."""
+        """The step's sampled tokens (from ``output_rank``); raises ``WorkerDiedError`` on a failure."""
 
     @abc.abstractmethod
     def collective_rpc(

@@ -4,7 +4,8 @@ Workers are spawned (never forked: CUDA and Inductor's compile workers do
 not survive a fork), join one ``torch.distributed`` group over a free
 loopback TCP port (gloo on CPU, NCCL on CUDA), build their runner and report
 ready. Each step the scheduler output is pickled once and the same bytes are
-written to every worker's pipe; rank 0 alone answers with the sampled tokens.
+written to every worker's pipe; the sampling rank (the last pipeline stage's first)
+alone answers with the sampled tokens.
 
 The driver waits on every pipe and every process sentinel at once, so a
 worker that raises (it reports, then exits) or dies (killed, crashed) is
@@ -83,7 +84,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig, hf_config: Any):
         self.config = config
         self.closed = False
-        world = config.tensor_parallel_size
+        world = config.world_size
         ctx = multiprocessing.get_context("spawn")
         init_method = f"tcp://{LOOPBACK}:{free_port()}"
         self.processes: list[multiprocessing.Process] = []
@@ -113,10 +114,12 @@ class MultiprocExecutor(Executor):
     # ---- the step ---------------------------------------------------------
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
-        self._send("step", (scheduler_output,), range(self.world_size), reply_ranks=(0,))
+        ranks = range(self.world_size)
+        self._send("step", (scheduler_output,), ranks, reply_ranks=(self.output_rank,))
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        output = self._wait([0], self.config.step_timeout_s, "a step")[0]
+        output_rank = self.output_rank
+        output = self._wait([output_rank], self.config.step_timeout_s, "a step")[output_rank]
         self.num_steps += 1
         return output
 

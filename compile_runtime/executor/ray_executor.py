@@ -4,7 +4,7 @@ Ranks may live on different machines. Rank 0's actor reports its node; when
 every actor is on one node the process group meets on the loopback address,
 otherwise on rank 0's node address. Each step the scheduler output is put in
 Ray's object store once (``ray.put``) and every actor receives the same
-reference; rank 0 alone returns the sampled tokens. A failed or dead actor
+reference; the sampling rank's reply holds the sampled tokens. A failed or dead actor
 becomes ``WorkerDiedError`` naming its rank, and every actor is killed.
 
 ``ray`` is an optional dependency: ``pip install 'compile-runtime[ray]'``.
@@ -93,7 +93,7 @@ class RayExecutor(Executor):
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             ray.init(include_dashboard=False, log_to_driver=False)
-        world = config.tensor_parallel_size
+        world = config.world_size
         use_gpu = (config.device or default_device()).startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         try:
@@ -147,7 +147,7 @@ class RayExecutor(Executor):
         pending, self._pending = self._pending, []
         results = self._get(pending, self.config.step_timeout_s, "a step")
         self.num_steps += 1
-        return results[0]
+        return results[self.output_rank]
 
     def collective_rpc(
         self, method: str, args: Sequence[Any] = (), ranks: Sequence[int] | None = None

@@ -1,4 +1,5 @@
-"""Models: what the runner needs of one (``interface``), the native Llama family (``llama``;
+"""Models: what the runner needs of one (``interface``), the native Llama family (``llama``, its position
+embedding in ``rotary``;
 ``loader`` puts safetensors checkpoints into it), any other transformers model through
 ``transformers_adapter``, and ``registry``'s ``load_model`` that picks between them.
 

@@ -30,6 +30,7 @@ from compile_runtime.distributed import (
     VocabParallelEmbedding,
 )
 from compile_runtime.distributed.communication import tensor_parallel_all_reduce
+from compile_runtime.distributed.pipeline import PipelineStage, pipeline_stage
 from compile_runtime.models.loader import (
     FusedShards,
     NativeUnsupported,
@@ -38,6 +39,7 @@ from compile_runtime.models.loader import (
     quantization_plan,
     quantize_parameters,
 )
+from compile_runtime.models.rotary import RotaryEmbedding
 from compile_runtime.ops.cpu_quant_embedding import quant_embedding
 from compile_runtime.ops.cpu_quant_formats import QuantFormat
 
@@ -67,69 +69,6 @@ class RMSNorm(nn.Module):
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
-
-
-def _rope_frequencies(config: PretrainedConfig, head_size: int) -> tuple[torch.Tensor, float]:
-    """``(inv_freq, attention_scaling)`` as transformers computes them for this config.
-
-    Every rope type but "default" comes from transformers' own initialisers
-    (``ROPE_INIT_FUNCTIONS``), so linear, llama3, yarn, dynamic, ... never
-    diverge from the reference implementation.
-    """
-    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if any(isinstance(v, dict) for v in rope.values()):
-        raise NativeUnsupported("per-layer-type rope_parameters")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type == "default":
-        base = float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-        exponents = torch.arange(0, head_size, 2, dtype=torch.float32) / head_size
-        return 1.0 / (base**exponents), 1.0
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise NativeUnsupported(
-            f"rope_type {rope_type!r} is not in transformers' ROPE_INIT_FUNCTIONS"
-        )
-    # transformers recomputes these frequencies inside the forward from the batch's longest
-    # sequence; "dynamic" only past max_position_embeddings, where the table ends, so below
-    # it the table is exact.
-    if rope_type == "longrope" or (rope_type != "dynamic" and "dynamic" in rope_type):
-        raise NativeUnsupported(
-            f"rope_type {rope_type!r} recomputes its frequencies from each batch's longest "
-            "sequence, which a fixed table cannot follow"
-        )
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None)
-    if inv_freq.numel() != head_size // 2:
-        raise NativeUnsupported(
-            f"rope_type {rope_type!r} rotates {2 * inv_freq.numel()} of {head_size} head dims "
-            "(partial_rotary_factor); the native rotary rotates the whole head"
-        )
-    return inv_freq.float(), float(attention_scaling)
-
-
-class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding from a precomputed cos/sin table indexed by position.
-
-    One table serves every layer (a 128k-position table per layer would cost
-    gigabytes). Its rows are transformers' ``cos(position * inv_freq) *
-    attention_scaling`` for positions below ``max_position_embeddings``.
-    """
-
-    def __init__(self, config: PretrainedConfig, head_size: int):
-        super().__init__()
-        inv_freq, attention_scaling = _rope_frequencies(config, head_size)
-        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
-        freqs = torch.outer(positions, inv_freq.to(positions.device))
-        self.register_buffer("cos", freqs.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * attention_scaling, persistent=False)
-
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """``x``: [tokens, heads, head_size]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        half = x.shape[-1] // 2
-        x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def head_size_of(config: PretrainedConfig) -> int:
@@ -268,9 +207,16 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class MissingLayer(nn.Module):
+    """A layer another pipeline stage holds: keeps the layer indices (and so the checkpoint's
+    names) of the stages after it."""
+
+
 @cr.compile
 class DecoderModel(nn.Module):
-    """The compiled part: embeddings, every layer, the final norm."""
+    """The compiled part: embeddings, every layer, the final norm; under pipeline parallelism
+    the stage's share (``stage``): the embedding on the first stage, the norm on the last,
+    and every stage but the first starts from the previous stage's ``hidden_states``."""
 
     def __init__(
         self,
@@ -279,20 +225,34 @@ class DecoderModel(nn.Module):
         rotary: RotaryEmbedding,
         windows: list[int | None],
         act_fn: nn.Module,
+        stage: PipelineStage,
     ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage
+        self.embed_tokens = None
+        if stage.holds_embedding:
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(config, flags, f"model.layers.{i}", rotary, windows[i], act_fn)
+            if stage.holds_layer(i)
+            else MissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = embed(self.embed_tokens, input_ids)
-        for layer in self.layers:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x = embed(self.embed_tokens, input_ids) if self.stage.is_first else hidden_states
+        for layer in self.layers[self.stage.start : self.stage.end]:
             x = layer(positions, x)
-        return self.norm(x)
+        return self.norm(x) if self.stage.is_last else x
+
+    def own_layers(self) -> list[DecoderLayer]:
+        return list(self.layers[self.stage.start : self.stage.end])
 
 
 def embed(embedding: VocabParallelEmbedding, input_ids: torch.Tensor) -> torch.Tensor:
@@ -329,24 +289,36 @@ class CausalLM(nn.Module):
         act_fn = activation(config)
         self.config = config
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.model = DecoderModel(config, ARCHITECTURES[model_type], rotary, windows, act_fn)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if self.tied:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.stage = pipeline_stage(config.num_hidden_layers, tied=self.tied)
+        flags = ARCHITECTURES[model_type]
+        self.model = DecoderModel(config, flags, rotary, windows, act_fn, self.stage)
+        self.lm_head = None
+        if self.stage.is_last:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if self.tied:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, hidden_states)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        """Logits of ``hidden_states``; under tensor parallelism on rank 0 only (None elsewhere)."""
+        """Logits of ``hidden_states``; under tensor parallelism on the first rank only, under
+        pipeline parallelism on the last stage only (None elsewhere)."""
+        if self.lm_head is None:
+            return None
         return self.lm_head.compute_logits(hidden_states)
 
     def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        return [layer.self_attn.attn for layer in self.model.own_layers()]
 
     def _layouts(self) -> tuple[list[StackedParam], dict[str, FusedShards]]:
-        attn = self.model.layers[0].self_attn
-        mlp = self.model.layers[0].mlp
+        attn = self.model.own_layers()[0].self_attn
+        mlp = self.model.own_layers()[0].mlp
         stacked = [
             StackedParam("qkv_proj", "q_proj", "q"),
             StackedParam("qkv_proj", "k_proj", "k"),
@@ -374,10 +346,11 @@ class CausalLM(nn.Module):
         if self.tied:
             candidates.discard("lm_head.weight")
         plan = quantization_plan(model_dir, quantization, candidates, stacked, self.tied)
-        dtype = self.model.embed_tokens.weight.dtype
+        dtype = next(self.parameters()).dtype
         quantize_parameters(self, plan)
-        self.model.embed_tokens.out_dtype = dtype
-        if self.tied:
+        if self.model.embed_tokens is not None:
+            self.model.embed_tokens.out_dtype = dtype
+        if self.tied and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.use_packed_weight = self.lm_head.weight.dtype == torch.uint8
         return plan
@@ -390,4 +363,5 @@ class CausalLM(nn.Module):
             stacked_params=stacked,
             fused_shards=fused,
             ignore=("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tied else ()),
+            holds=self.stage.holds_weight,
         )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,17 +149,19 @@ def load_weights(
     stacked_params: list[StackedParam],
     fused_shards: dict[str, FusedShards],
     ignore: tuple[str, ...] = (),
+    holds: Callable[[str], bool] | None = None,
 ) -> None:
     """Fill every parameter of ``model`` from the checkpoint in ``model_dir``.
 
     ``fused_shards`` maps a fused parameter's module name (``qkv_proj``) to
     its shard layout; checkpoint names containing any of ``ignore`` are
-    skipped (rotary caches, a tied ``lm_head.weight``).
+    skipped (rotary caches, a tied ``lm_head.weight``), and so are those
+    ``holds`` says another pipeline stage loads.
     """
     params = dict(model.named_parameters())
     filled: dict[str, set] = {name: set() for name in params}
     for ckpt_name, tensor in iterate_checkpoint(model_dir):
-        if any(s in ckpt_name for s in ignore):
+        if any(s in ckpt_name for s in ignore) or (holds is not None and not holds(ckpt_name)):
             continue
         target, shard = ckpt_name, None
         for sp in stacked_params:

@@ -18,7 +18,7 @@ from torch import nn
 from transformers import AutoConfig
 
 from compile_runtime.config import CompilationConfig, set_compilation_config
-from compile_runtime.distributed.parallel_state import get_tp_world_size
+from compile_runtime.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from compile_runtime.models.gguf import GGUFError, gguf_file_in
 from compile_runtime.models.llama import ARCHITECTURES, CausalLM
 from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
@@ -157,11 +157,11 @@ def load_model(
                 with skip_weight_init():  # load_weights fills every parameter or raises
                     model: nn.Module = CausalLM(hf_config)
             except NativeUnsupported as e:
-                if get_tp_world_size() > 1:
+                if get_tp_world_size() > 1 or get_pp_world_size() > 1:
                     raise NativeUnsupported(
                         f"{model_dir}: the native {hf_config.model_type} model cannot run this "
                         f"config ({e}), and the transformers adapter runs on one rank only; "
-                        "use tensor_parallel_size=1"
+                        "use tensor_parallel_size=1 and pipeline_parallel_size=1"
                     ) from e
                 logger.warning(
                     "%s: the native %s model cannot run this config (%s); running it through "

@@ -5,5 +5,6 @@
 ``cudagraph_plan``, ``step_inputs``, the persistent batch (``input_batch``, ``block_table``),
 and the token choice: ``sampling_step`` over ``sampling_metadata``, ``sampler``,
 ``rejection_sampler`` with ``ngram_proposer`` (speculative decoding) and ``grammar_bitmask``.
-``capture_inputs`` gives each graph capture its inputs; ``microbatch`` splits a step in two.
+``capture_inputs`` gives each graph capture its inputs; ``microbatch`` splits a step in two;
+``stage_handover`` passes hidden states from one pipeline stage to the next.
 """

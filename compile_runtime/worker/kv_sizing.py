@@ -62,12 +62,16 @@ def cuda_kv_budget(memory: CudaMemory, gpu_memory_utilization: float) -> int:
     return max(0, min(share, memory.free - memory.activations))
 
 
-def kv_bytes_per_token(hf_config: Any, dtype: torch.dtype, tp_size: int = 1) -> int:
-    """Bytes one token's keys and values take on one rank, from the model's config."""
+def kv_bytes_per_token(
+    hf_config: Any, dtype: torch.dtype, tp_size: int = 1, pp_size: int = 1
+) -> int:
+    """Bytes one token's keys and values take on one rank, from the model's config (under
+    pipeline parallelism on the stage with the most layers of an even split)."""
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads
     head_size = head_size_of(hf_config)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return hf_config.num_hidden_layers * 2 * -(-kv_heads // tp_size) * head_size * itemsize
+    layers = -(-hf_config.num_hidden_layers // pp_size)
+    return layers * 2 * -(-kv_heads // tp_size) * head_size * itemsize
 
 
 def available_memory() -> int:
@@ -95,6 +99,7 @@ def size_runner_config(
     dtype: torch.dtype,
     device: torch.device | str,
     tp_size: int = 1,
+    pp_size: int = 1,
 ) -> RunnerConfig:
     """``config`` with the sizes left to the engine (None) decided, saying why in the log.
 
@@ -105,7 +110,8 @@ def size_runner_config(
     kv_cache_bytes = config.kv_cache_bytes
     if on_cpu and kv_cache_bytes is None:
         available = available_memory()
-        kv_cache_bytes = max(int(available * config.kv_cache_memory_fraction) // tp_size, 1)
+        ranks = tp_size * pp_size  # every rank of the engine on this machine
+        kv_cache_bytes = max(int(available * config.kv_cache_memory_fraction) // ranks, 1)
         logger.info(
             "KV cache budget %.2f GiB per rank: kv_cache_memory_fraction=%.2f of %.1f GiB "
             "available RAM (set kv_cache_bytes / --kv-cache-bytes to choose)",
@@ -115,7 +121,9 @@ def size_runner_config(
         )
     max_model_len = config.max_model_len
     if max_model_len is None:
-        max_model_len = _max_model_len(config, kv_cache_bytes, hf_config, dtype, on_cpu, tp_size)
+        max_model_len = _max_model_len(
+            config, kv_cache_bytes, hf_config, dtype, on_cpu, tp_size, pp_size
+        )
     if (kv_cache_bytes, max_model_len) == (config.kv_cache_bytes, config.max_model_len):
         return config
     return config.model_copy(
@@ -130,13 +138,14 @@ def _max_model_len(
     dtype: torch.dtype,
     on_cpu: bool,
     tp_size: int,
+    pp_size: int,
 ) -> int:
     """The model's positions, or on a CPU what the KV cache budget holds when that is less."""
     positions = getattr(hf_config, "max_position_embeddings", None) or 2048
     if not on_cpu:  # the budget is known only after the weights load; the runner checks it
         logger.info("max_model_len=%d: the model's max_position_embeddings", positions)
         return positions
-    per_block = kv_bytes_per_token(hf_config, dtype, tp_size) * config.block_size
+    per_block = kv_bytes_per_token(hf_config, dtype, tp_size, pp_size) * config.block_size
     tokens = (kv_cache_bytes // per_block - 1) * config.block_size  # less the null block
     if tokens >= positions:
         logger.info("max_model_len=%d: the model's max_position_embeddings", positions)

@@ -50,8 +50,6 @@ def run_microbatches(runner: Any, step: StepInputs, split: int, loras: list) -> 
         )
         descriptor = BatchDescriptor(t1 - t0, has_lora=has_lora)
         with set_forward_context(metadata, batch_descriptor=descriptor):
-            hidden = runner.cudagraph_plan.bare_model(
-                buffers.input_ids[t0:t1], buffers.positions[t0:t1]
-            )
+            hidden = runner.cudagraph_plan.bare_model(*buffers.forward_args(t1, start=t0))
         parts.append(hidden.clone() if not parts else hidden)  # the next forward may reuse it
     return torch.cat(parts)

@@ -10,10 +10,11 @@ between the two calls lives in one ``ExecuteModelState``. Start-up is ``__init__
 ``initialize``: the first forward, the CUDA graph plan (cudagraph_plan.py), the KV
 cache (startup.py), the capture.
 
-Under tensor parallelism every rank runs its own runner on the same scheduler
-output (so the persistent batches stay identical); the logits are gathered on
-rank 0, which samples and broadcasts the tokens each request got so that every
-rank appends the same ones.
+Under tensor and pipeline parallelism every rank runs its own runner on the same scheduler
+output (so the persistent batches stay identical); a pipeline stage takes the step's hidden
+states from the one before and hands its own on (stage_handover.py); the last stage's
+logits are gathered on its first rank, which samples and broadcasts the tokens each request
+got so that every rank appends the same ones.
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from compile_runtime.cudagraph.dispatcher import (
 )
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.device import resolve_device
-from compile_runtime.distributed import get_tp_rank, get_tp_world_size
+from compile_runtime.distributed import get_parallel_state, get_tp_rank, get_tp_world_size
+from compile_runtime.distributed.pipeline import PipelineStage
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
@@ -51,13 +53,13 @@ from compile_runtime.planner.workload import Workload
 from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.cpu_threads import set_num_threads
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
-from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.worker.input_batch import InputBatch
 from compile_runtime.worker.kv_sizing import size_runner_config
 from compile_runtime.worker.microbatch import microbatch_split, run_microbatches
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.sampler import Sampler
-from compile_runtime.worker.sampling_step import broadcast_tokens, prompt_logprobs, sample
+from compile_runtime.worker.sampling_step import prompt_logprobs, sample_on_every_rank
+from compile_runtime.worker.stage_handover import receive_stage_input, send_stage_output
 from compile_runtime.worker.startup import (
     ModelRunnerError,
     StartupTimes,
@@ -110,6 +112,8 @@ class ModelRunner:
         self.device = resolve_device(device)
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
+        state = get_parallel_state()
+        self.world_size = state.world_size if state is not None else 1
         set_num_threads(self.config, self.device, self.tp_size)  # before the first compile
         if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -153,7 +157,13 @@ class ModelRunner:
         if c.enable_lora:
             self.lora = LoRAManager(self.model, c, self.max_num_tokens, dtype, self.device)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
-        self.buffers = StepBuffers(self.max_num_tokens, self.device)
+        # A pipeline stage: None where the model is whole (one stage, or the adapter).
+        stage: PipelineStage | None = getattr(self.model, "stage", None)
+        self.stage = stage if stage is not None and stage.size > 1 else None
+        stage_input = None
+        if self.stage is not None and not self.stage.is_first:
+            stage_input = (self.model.config.hidden_size, dtype)
+        self.buffers = StepBuffers(self.max_num_tokens, self.device, stage_input)
         self.metadata_groups = metadata_groups(
             self.layers, c.block_size, c.max_num_seqs, self.device
         )
@@ -285,6 +295,8 @@ class ModelRunner:
         split = None  # micro-batches: the engines' decision in lockstep, else this engine's
         if so.dp_microbatch or (so.dp_microbatch is None and self.config.enable_microbatching):
             split = microbatch_split(step, self.config.microbatching_token_threshold)
+        if self.stage is not None:
+            receive_stage_input(self.stage, self.buffers, total)
         if split is not None:
             self.buffers.load(step, total)
             hidden = run_microbatches(self, step, split, loras)
@@ -293,6 +305,8 @@ class ModelRunner:
         else:
             target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
             hidden, mode, unreplayed = self._run_step(step, target, uniform_decode, loras)
+        if self.stage is not None:
+            send_stage_output(self.stage, hidden, total)
 
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.
@@ -345,26 +359,6 @@ class ModelRunner:
             hidden = forward(*self.buffers.forward_args(padded))
         return hidden, mode, unreplayed
 
-    def _sample(self, state: ExecuteModelState) -> tuple[list[list[int]], list]:
-        """Per sampling request its tokens and logprobs: rank 0 samples (or verifies drafts),
-        every rank gets the same tokens."""
-        req_ids = state.sampling_req_ids
-        tokens: list[list[int]] = []
-        logprobs: list = []
-        if state.logits is not None:
-            states = [self.input_batch.requests[r] for r in req_ids]
-            if state.grammar_bitmask:
-                widths = [1 + len(d) for d in state.drafts] if state.drafts else [1] * len(req_ids)
-                starts = np.cumsum([0, *widths[:-1]]).tolist()
-                row_of = dict(zip(req_ids, starts, strict=True))
-                apply_grammar_bitmask(state.logits, row_of, state.grammar_bitmask)
-            tokens, logprobs = sample(self.sampler, state.logits, states, state.drafts)
-        if self.tp_size > 1:
-            width = 1 + max((len(d) for d in state.drafts or []), default=0)
-            sent = tokens if state.logits is not None else None
-            tokens = broadcast_tokens(sent, len(req_ids), width, self.device)
-        return tokens, logprobs or [None] * len(req_ids)
-
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
         state = self.execute_state
@@ -382,7 +376,15 @@ class ModelRunner:
         logprobs: list = []
         if req_ids:
             batch = self.input_batch
-            tokens, logprobs = self._sample(state)
+            tokens, logprobs = sample_on_every_rank(
+                self.sampler,
+                [batch.requests[r] for r in req_ids],
+                state.logits,
+                state.drafts,
+                state.grammar_bitmask,
+                self.world_size,
+                self.device,
+            )
             for req_id, ids in zip(req_ids, tokens, strict=True):
                 for token in ids:
                     batch.append_token(req_id, token)

@@ -1,15 +1,17 @@
 """Tokens from a step's logits: sampling or draft verification, prompt logprobs, and
-under tensor parallelism rank 0's tokens broadcast to every rank.
+under tensor or pipeline parallelism the sampling rank's tokens broadcast to every rank.
 
-Only rank 0 has the logits (they are gathered there): it samples, and every rank
-then appends the same tokens so the persistent batches stay identical.
+Only the sampling rank (the last stage's first rank) has the logits: it samples, and
+every rank then appends the same tokens so the persistent batches stay identical.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
-from compile_runtime.distributed import broadcast_from_first_rank
+from compile_runtime.distributed import broadcast_from_sampling_rank
+from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.worker.input_batch import InputBatch, RequestState
 from compile_runtime.worker.rejection_sampler import rejection_sample
 from compile_runtime.worker.sampler import Sampler, gather_logprobs, greedy_tokens
@@ -57,15 +59,42 @@ def sample(
     return [[t] for t in sampled.token_ids.tolist()], logprobs
 
 
+def sample_on_every_rank(
+    sampler: Sampler,
+    states: list[RequestState],
+    logits: torch.Tensor | None,
+    drafts: list[list[int]] | None,
+    grammar_bitmask: dict | None,
+    world_size: int,
+    device: torch.device,
+) -> tuple[list[list[int]], list]:
+    """Per sampling request its tokens and logprobs: the rank with ``logits`` samples (or
+    verifies drafts) after the grammar's mask, and every rank of the job gets its tokens."""
+    tokens: list[list[int]] = []
+    logprobs: list = []
+    if logits is not None:
+        if grammar_bitmask:
+            widths = [1 + len(d) for d in drafts] if drafts else [1] * len(states)
+            starts = np.cumsum([0, *widths[:-1]]).tolist()
+            row_of = dict(zip([s.req_id for s in states], starts, strict=True))
+            apply_grammar_bitmask(logits, row_of, grammar_bitmask)
+        tokens, logprobs = sample(sampler, logits, states, drafts)
+    if world_size > 1:
+        width = 1 + max((len(d) for d in drafts or []), default=0)
+        sent = tokens if logits is not None else None
+        tokens = broadcast_tokens(sent, len(states), width, device)
+    return tokens, logprobs or [None] * len(states)
+
+
 def broadcast_tokens(
     tokens: list[list[int]] | None, num_reqs: int, width: int, device: torch.device
 ) -> list[list[int]]:
-    """Rank 0's tokens per request on every rank (padded with -1 on the wire)."""
+    """The sampling rank's tokens per request on every rank (padded with -1 on the wire)."""
     wire = torch.full((num_reqs, width), -1, dtype=torch.long, device=device)
     if tokens is not None:
         for i, ids in enumerate(tokens):
             wire[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    broadcast_from_first_rank(wire)
+    broadcast_from_sampling_rank(wire)
     return [[t for t in row if t >= 0] for row in wire.tolist()]
 
 

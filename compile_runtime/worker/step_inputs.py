@@ -69,10 +69,23 @@ class StepBuffers:
     """The forward's inputs in persistent buffers of ``max_num_tokens``: a CUDA graph
     replays from the addresses it was captured at, whatever the step."""
 
-    def __init__(self, max_num_tokens: int, device: torch.device):
+    def __init__(
+        self,
+        max_num_tokens: int,
+        device: torch.device,
+        stage_input: tuple[int, torch.dtype] | None = None,
+    ):
+        """``stage_input``: (hidden size, dtype) of the hidden states a pipeline stage after
+        the first receives from the one before (None: the first stage, or no pipeline)."""
         self.input_ids = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         self.positions = torch.zeros(max_num_tokens, dtype=torch.long, device=device)
         self.slot_mapping = torch.full((max_num_tokens,), -1, dtype=torch.long, device=device)
+        self.hidden_states: torch.Tensor | None = None
+        if stage_input is not None:
+            hidden_size, dtype = stage_input
+            self.hidden_states = torch.zeros(
+                (max_num_tokens, hidden_size), dtype=dtype, device=device
+            )
         self.device = device
         self._buffers = (self.input_ids, self.positions, self.slot_mapping)
         # Where load writes: on a CPU the buffers themselves, else one staging row each.
@@ -82,12 +95,16 @@ class StepBuffers:
         # On CUDA: the last step's host-to-device copies (recorded by forward_args).
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
-    def forward_args(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward's arguments; called after the step's copies (this one's, the block
-        table's and the metadata builders'), so on CUDA it marks their end."""
+    def forward_args(self, num_tokens: int, start: int = 0) -> tuple[torch.Tensor, ...]:
+        """The forward's arguments for tokens ``start:num_tokens``; called after the step's
+        copies (this one's, the block table's and the metadata builders'), so on CUDA it
+        marks their end."""
         if self._copied is not None:
             self._copied.record(torch.cuda.current_stream(self.device))
-        return self.input_ids[:num_tokens], self.positions[:num_tokens]
+        args = (self.input_ids[start:num_tokens], self.positions[start:num_tokens])
+        if self.hidden_states is not None:
+            args += (self.hidden_states[start:num_tokens],)
+        return args
 
     def load(self, step: StepInputs, num_padded: int) -> None:
         """Copy the step in; padded tokens are id 0 at position 0 (the metadata builder sets

@@ -32,7 +32,7 @@ from compile_runtime.config import EngineConfig
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
 from compile_runtime.device import default_device
-from compile_runtime.distributed import default_backend, init_distributed
+from compile_runtime.distributed import default_backend, init_distributed, sampling_rank
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
 
@@ -73,6 +73,7 @@ class Worker:
         self.init_method = init_method
         self.local_rank = rank if local_rank is None else local_rank
         self.runner = None
+        self.answers_steps = rank == 0  # the sampling rank: set once the group is known
 
     def device(self) -> str:
         """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
@@ -93,6 +94,8 @@ class Worker:
                 self.world_size,
                 self.init_method,
                 backend=default_backend(device),
+                pipeline_parallel_size=self.config.pipeline_parallel_size,
+                pipeline_layer_partition=self.config.pipeline_layer_partition,
             )
         c = self.config
         self.runner = ModelRunner(
@@ -105,6 +108,7 @@ class Worker:
             hf_config=self.hf_config,
         )
         self.runner.initialize()
+        self.answers_steps = self.rank == sampling_rank()
         after = counter_snapshot()
         return WorkerInfo(
             rank=self.rank,
@@ -116,10 +120,10 @@ class Worker:
         )
 
     def step(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Apply one scheduler step and sample; only rank 0 returns the tokens."""
+        """Apply one scheduler step and sample; only the sampling rank returns the tokens."""
         self.runner.execute_model(scheduler_output)
         output = self.runner.sample_tokens()
-        return output if self.rank == 0 else None
+        return output if self.answers_steps else None
 
     def workload(self):
         return self.runner.workload
