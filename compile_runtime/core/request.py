@@ -63,6 +63,10 @@ class Request:
     stop_reason: int | str | None = None
     # The LoRA adapter it runs under (None: the base model).
     lora_request: LoRARequest | None = None
+    # Pipeline parallelism: in a step whose tokens have not come back yet, and how many of
+    # its tokens the ranks that do not sample hold (the rest travel in its next step).
+    in_flight: bool = False
+    num_tokens_on_workers: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -165,10 +169,21 @@ class AdmissionLimits:
     enable_chunked_prefill: bool
     max_model_len: int | None = None  # None: unchecked
     vocab_size: int | None = None  # None: unchecked
+    has_grammars: bool = False  # structured outputs can be served
+    serves_lora: bool = False  # LoRA adapters can be served
 
     def check(self, request: Request) -> None:
         """Raise ValueError, naming the request and the fix, for what a step could not run."""
         rid = request.req_id
+        if request.sampling_params.structured_outputs is not None and not self.has_grammars:
+            raise ValueError(
+                "structured_outputs needs the model's tokenizer, and this engine has none"
+            )
+        if request.lora_request is not None and not self.serves_lora:
+            raise ValueError(
+                f"request {rid!r} names LoRA adapter {request.lora_request.lora_name!r}, but "
+                "this engine serves none; start it with enable_lora=True (--enable-lora)"
+            )
         prompt = request.prompt_token_ids
         if not prompt:
             raise ValueError(f"request {rid!r} has an empty prompt; give it at least one token")

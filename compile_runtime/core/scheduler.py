@@ -16,29 +16,21 @@ again its prompt and the tokens it had generated are recomputed as one
 prompt. Older requests therefore always make progress, and a request that
 fits in the cache on its own always finishes.
 
-With prefix caching (on by default), a request joining the batch first
-looks up the longest run of its full blocks already in the cache (same
-tokens from the start, see prefix_cache.py): it takes those blocks with a
-reference and is scheduled only for the rest, at least its last token, so
-there are logits to sample. Full blocks are put in the cache once a step has
-computed them; a finished or preempted request's blocks stay there, evictable,
-until the pool needs them (a preempted request's restart usually finds its own
-blocks). Every layer keeps every block of a sequence (sliding-window layers
-included), so a cached block holds exactly the KV a recompute would write.
+With prefix caching (on by default), a joining request first takes the longest run of
+its full blocks already in the cache (kv_blocks.py) and is scheduled for the rest, at
+least its last token. Full blocks enter the cache once computed and stay, evictable,
+after their request ends. Every layer keeps every block (sliding-window layers too).
 
-Admission is all or nothing: ``add_requests`` checks every request
-(admission.py) before it queues any, so a bad request never reaches a step.
-When a request stops, and how many drafts it may verify, is stop_rules.py's
-rule. When a step fails anyway, ``abort_requests`` frees the requests' blocks and tells
-the runner to drop them at the next step, before it takes any new request.
+Admission is all or nothing: ``add_requests`` checks every request (``AdmissionLimits``
+and the stop rules are request.py's) before it queues any. A failed step's requests are
+aborted: their blocks freed, and the runner told to drop them at the next step.
 
 Protocol per step: ``out = schedule()``, the runner executes ``out``, then
-``update_from_output(out, runner_output)``. The scheduler keeps the only count of
-each request's computed tokens (accepted drafts in, rejected ones out) and sends
-it with every scheduled request; the runner takes it as given. The runner must drop the state
-of ``out.finished_req_ids`` before adding ``out.scheduled_new_reqs``: a
-request preempted during this schedule() is listed there and may come back
-as new in a later step.
+``update_from_output(out, runner_output)``. The scheduler keeps the only count of each
+request's computed tokens and sends it with every scheduled request. The runner drops
+``out.finished_req_ids`` before adding ``out.scheduled_new_reqs`` (a request preempted in
+this schedule() may come back as new later). Pipelined (``pipelined=True``), several
+steps are out at once: a request in one is not scheduled again until its tokens are back.
 """
 
 from __future__ import annotations
@@ -86,9 +78,11 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         structured_outputs: StructuredOutputManager | None = None,
         max_loras: int | None = None,
+        pipelined: bool = False,
     ) -> None:
-        """``max_model_len`` and ``vocab_size`` (None: unchecked) bound what add_request admits;
-        ``structured_outputs`` holds constrained requests' grammars (None: none admitted);
+        """``pipelined``: steps overlap, and the ranks that do not sample get each request's new
+        tokens in its next step. ``max_model_len`` and ``vocab_size`` (None: unchecked) bound
+        what add_request admits; ``structured_outputs`` holds constrained requests' grammars (None: none admitted);
         ``max_loras``: distinct LoRA adapters the running requests may use at once (None:
         requests with an adapter are refused)."""
         check_scheduler_sizes(
@@ -111,10 +105,13 @@ class Scheduler:
             enable_chunked_prefill=enable_chunked_prefill,
             max_model_len=max_model_len,
             vocab_size=vocab_size,
+            has_grammars=structured_outputs is not None,
+            serves_lora=max_loras is not None,
         )
         self.enable_prefix_caching = enable_prefix_caching
         self.structured_outputs = structured_outputs
         self.max_loras = max_loras
+        self.pipelined = pipelined
         self.prefix_cache_stats = PrefixCacheStats()
         self.spec_decode_stats = SpecDecodeStats()
 
@@ -152,19 +149,8 @@ class Scheduler:
         if request.req_id in self.requests:
             raise ValueError(f"request id {request.req_id!r} is already in the scheduler")
         self.admission.check(request)
-        constraint = request.sampling_params.structured_outputs
-        if constraint is not None:
-            if self.structured_outputs is None:
-                raise ValueError(
-                    "structured_outputs needs the model's tokenizer, and this engine has none"
-                )
-            check_constraint(constraint)
-        if request.lora_request is not None and self.max_loras is None:
-            raise ValueError(
-                f"request {request.req_id!r} names LoRA adapter "
-                f"{request.lora_request.lora_name!r}, but this engine serves none; start it "
-                "with enable_lora=True (--enable-lora)"
-            )
+        if request.sampling_params.structured_outputs is not None:
+            check_constraint(request.sampling_params.structured_outputs)
 
     def abort_requests(
         self, req_ids: list[str], failed_step: SchedulerOutput | None = None
@@ -202,17 +188,27 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def has_schedulable(self) -> bool:
+        """Whether a request runs outside every step still out (pipelined), or waits with room."""
+        room = self.waiting and len(self.running) < self.max_num_seqs
+        return bool(room) or any(not r.in_flight for r in self.running)
+
     # ---------------------------------------------------------------- schedule
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_requests: int | None = None) -> SchedulerOutput:
+        """The next step; ``max_requests`` caps its requests (a share of a pipeline's)."""
         out = SchedulerOutput(finished_req_ids=self._finished_req_ids)
         self._finished_req_ids = set()
         budget = self.max_num_batched_tokens
         preemptions_before = self.num_preemptions
+        room = max_requests if max_requests is not None else self.max_num_seqs
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(out.num_scheduled_tokens) < room:
             req = self.running[i]
+            if req.in_flight:
+                i += 1
+                continue
             num_new = min(self._num_tokens_to_compute(req), budget)
             new_blocks = self._allocate_or_preempt(req, num_new, out)
             if new_blocks is None:  # req was the newest left and preempted itself
@@ -220,6 +216,10 @@ class Scheduler:
             out.scheduled_cached_reqs.req_ids.append(req.req_id)
             out.scheduled_cached_reqs.new_block_ids.append(new_blocks)
             out.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
+            if self.pipelined:
+                new_tokens = req.all_token_ids[req.num_tokens_on_workers :]
+                out.scheduled_cached_reqs.new_token_ids.append(new_tokens)
+            req.num_tokens_on_workers, req.in_flight = req.num_tokens, self.pipelined
             out.num_scheduled_tokens[req.req_id] = num_new
             # Drafts that did not fit the budget wait for the next proposal.
             num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
@@ -241,6 +241,7 @@ class Scheduler:
             and w < len(self.waiting)
             and len(self.running) < self.max_num_seqs
             and budget > 0
+            and len(out.num_scheduled_tokens) < room
         ):
             req = self.waiting[w]
             if grammars is not None:
@@ -280,6 +281,7 @@ class Scheduler:
                 adapters.add(lora_id)
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             out.scheduled_new_reqs.append(NewRequestData.of(req))
+            req.num_tokens_on_workers, req.in_flight = req.num_tokens, self.pipelined
             out.num_scheduled_tokens[req.req_id] = num_new
             budget -= num_new
         if grammars is not None:
@@ -317,19 +319,14 @@ class Scheduler:
             if blocks is not None:
                 req.block_ids.extend(blocks)
                 return blocks
-            victim = self.running[-1]
+            victim = next(r for r in reversed(self.running) if not r.in_flight)  # req is not
             self._preempt(victim, out)
             if victim is req:
                 return None
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        logger.debug(
-            "preempting %s (%d tokens computed, %d blocks freed)",
-            req.req_id,
-            req.num_computed_tokens,
-            len(req.block_ids),
-        )
+        logger.debug("preempting %s (%d tokens computed)", req.req_id, req.num_computed_tokens)
         self._free_blocks(req)
         req.spec_token_ids = []
         req.num_computed_tokens = 0
@@ -352,11 +349,16 @@ class Scheduler:
         sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=False))
         spec = scheduler_output.scheduled_spec_decode_tokens
-        check_runner_output(scheduler_output, runner_output, self.requests)  # before any change
+        # Pipelined: requests aborted or stopped while their step ran get nothing more.
+        ended = {r for r in scheduler_output.num_scheduled_tokens if r not in self.requests}
+        check_runner_output(scheduler_output, runner_output, self.requests, ended)
         grammars = self._active_grammars()
         finished: list[Request] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            if req_id in ended:
+                continue
             req = self.requests[req_id]
+            req.in_flight = False
             tokens = sampled.get(req_id) or []
             drafts = spec.get(req_id, ())
             if drafts:

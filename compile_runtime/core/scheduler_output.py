@@ -8,7 +8,7 @@ it changes any state.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +56,9 @@ class CachedRequestData:
     req_ids: list[str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
     num_computed_tokens: list[int] = field(default_factory=list)
+    # Pipelined engines: each request's tokens sampled since the ranks last saw it (the
+    # ranks that did not sample them append them).
+    new_token_ids: list[list[int]] = field(default_factory=list)
 
 
 @dataclass
@@ -117,13 +120,17 @@ def check_runner_output(
     scheduler_output: SchedulerOutput,
     runner_output: ModelRunnerOutput,
     requests: Mapping[str, Request],
+    ended: Collection[str] = (),
 ) -> None:
     """Raise ValueError unless the runner's answer fits the step: every scheduled request is
     running, one whose prompt the step completes got tokens (at most 1 + its drafts), one
-    still mid-prefill got none. ``requests``: the scheduler's, as before the step."""
+    still mid-prefill got none. ``requests``: the scheduler's, as before the step;
+    ``ended``: requests that ended while the step ran (pipelined), not checked."""
     sampled = dict(zip(runner_output.req_ids, runner_output.sampled_token_ids, strict=True))
     spec = scheduler_output.scheduled_spec_decode_tokens
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
+        if req_id in ended:
+            continue
         req = requests.get(req_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req_id!r} in the scheduler output is not running")

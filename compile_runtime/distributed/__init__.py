@@ -4,7 +4,7 @@ collectives and the stage hand-over (``communication``), which layers a stage ho
 a model's dimensions divide over ranks (``sharding``)."""
 
 from compile_runtime.distributed.communication import (
-    broadcast_from_sampling_rank,
+    broadcast_from_first_rank,
     gather_to_first_rank,
     receive_from_previous_stage,
     send_to_next_stage,
@@ -45,7 +45,7 @@ __all__ = [
     "RowParallelLinear",
     "TensorParallelConfigError",
     "VocabParallelEmbedding",
-    "broadcast_from_sampling_rank",
+    "broadcast_from_first_rank",
     "check_tensor_parallel",
     "default_backend",
     "destroy_distributed",

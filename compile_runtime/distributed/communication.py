@@ -5,7 +5,7 @@ functional collective ops (``_c10d_functional.all_reduce`` + ``wait_tensor``),
 which Dynamo traces as ordinary graph nodes and Inductor lowers, so one trace
 still covers the whole model and the all-reduce is never a split point.
 The others run outside the graph: the logits gather to the stage's first rank,
-the sampled tokens' broadcast from the sampling rank to every rank, and the
+the sampled tokens' broadcast from rank 0 (tensor parallelism alone), and the
 hand-over of hidden states from one pipeline stage to the next (point to point,
 rank ``r`` to rank ``r + tp_size``).
 """
@@ -21,7 +21,6 @@ from compile_runtime.distributed.parallel_state import (
     get_tp_group_name,
     get_tp_rank,
     get_tp_world_size,
-    sampling_rank,
 )
 
 
@@ -46,12 +45,11 @@ def gather_to_first_rank(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
     return torch.cat(parts, dim=dim) if parts is not None else None
 
 
-def broadcast_from_sampling_rank(x: torch.Tensor) -> torch.Tensor:
-    """The sampling rank's ``x`` on every rank of the job (in place; every rank passes a
-    tensor of the same shape)."""
-    state = get_parallel_state()
-    if state is not None and state.world_size > 1:
-        dist.broadcast(x, src=sampling_rank())
+def broadcast_from_first_rank(x: torch.Tensor) -> torch.Tensor:
+    """Rank 0's ``x`` on every tensor-parallel rank (in place; every rank passes a tensor of
+    the same shape; one stage only)."""
+    if get_tp_world_size() > 1:
+        dist.broadcast(x, src=0)
     return x
 
 

@@ -2,6 +2,10 @@
 
 It knows nothing of who waits for the tokens: ``step()`` schedules, runs the model on every
 rank through the executor, advances the scheduler and returns what each request got.
+Under pipeline parallelism up to one step per stage is out at once (a batch queue): each
+``step()`` tops the queue up, then waits for the oldest step's tokens, so every stage has
+a step to run while the last one samples. Each queued step takes an even share of the
+requests, and a request is in one step at a time.
 Requests are made, checked, added and aborted here, between steps (an abort frees the
 request's KV blocks at once; the worker drops its state at the next step).
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +87,8 @@ class EngineCore:
         )
         self.executor = executor
         self.runner_config = sizes
+        self.pipeline_depth = config.pipeline_parallel_size  # steps out at once
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.eos_token_ids = eos_token_ids
         self.scheduler = Scheduler(
             num_blocks=executor.num_blocks,
@@ -93,6 +100,7 @@ class EngineCore:
             enable_prefix_caching=sizes.enable_prefix_caching,
             structured_outputs=grammars,
             max_loras=sizes.max_loras if sizes.enable_lora else None,
+            pipelined=self.pipeline_depth > 1,
         )
         self.adapters = AdapterChecker(sizes, hf_config) if sizes.enable_lora else None
         self._ids = itertools.count()
@@ -139,7 +147,7 @@ class EngineCore:
         return stopped
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.in_flight)
 
     @property
     def schedulers(self) -> list[Scheduler]:
@@ -168,15 +176,23 @@ class EngineCore:
         start = time.perf_counter()
         so = scheduled
         try:
-            if so is None:
-                so = self.scheduler.schedule()
-            self.executor.execute_model(so)
+            if so is None and self.pipeline_depth > 1:
+                so = self._fill_pipeline()
+                if so is None:  # nothing to run
+                    return StepOutput(seconds=time.perf_counter() - start)
+            else:
+                so = self.scheduler.schedule() if so is None else so
+                self.executor.execute_model(so)
             out = self.executor.sample_tokens()
             finished = self.scheduler.update_from_output(so, out)
         except BaseException as e:
             if isinstance(e, ExecutorError):
                 raise
             failed = list(so.num_scheduled_tokens) if so is not None else []
+            for queued in self.in_flight:  # their tokens will never be read
+                failed += queued.num_scheduled_tokens
+                self.scheduler.abort_requests([], queued)
+            self.in_flight.clear()
             self.scheduler.abort_requests(failed, so)
             if not isinstance(e, Exception):  # the caller interrupted: theirs to handle
                 raise
@@ -186,6 +202,22 @@ class EngineCore:
                 failed,
                 e,
             ) from e
+        return self._step_output(so, out, finished, start)
+
+    def _fill_pipeline(self) -> SchedulerOutput | None:
+        """Schedule and send steps until ``pipeline_depth`` are out or no request is left to
+        schedule; the oldest (None when none is out)."""
+        scheduler = self.scheduler
+        while len(self.in_flight) < self.pipeline_depth and scheduler.has_schedulable():
+            share = -(-len(scheduler.requests) // self.pipeline_depth)
+            so = scheduler.schedule(max_requests=share)
+            self.executor.execute_model(so)
+            self.in_flight.append(so)
+            if not so.num_scheduled_tokens:  # out of blocks, adapter slots or grammars
+                break
+        return self.in_flight.popleft() if self.in_flight else None
+
+    def _step_output(self, so: SchedulerOutput, out: Any, finished: list, start: float):
         counts, drafts = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
         tokens = []
         for req_id, ids, lps in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
@@ -88,7 +89,7 @@ class RayExecutor(Executor):
         self.actors: list[Any] = []
         self.placement_group = None
         self._remove_pg = remove_placement_group
-        self._pending: list[Any] = []
+        self._pending: deque[list[Any]] = deque()  # per step out, oldest first
         self.num_steps = 0
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
@@ -141,10 +142,10 @@ class RayExecutor(Executor):
             raise ExecutorError("the executor is shut down (after a failure or shutdown())")
         ray = import_ray()
         ref = ray.put(scheduler_output)  # serialised once, read by every actor
-        self._pending = [a.call.remote("step", ref) for a in self.actors]
+        self._pending.append([a.call.remote("step", ref) for a in self.actors])
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        pending, self._pending = self._pending, []
+        pending = self._pending.popleft()
         results = self._get(pending, self.config.step_timeout_s, "a step")
         self.num_steps += 1
         return results[self.output_rank]

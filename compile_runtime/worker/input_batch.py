@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.core.scheduler_output import NewRequestData
+from compile_runtime.core.scheduler_output import NewRequestData, SchedulerOutput
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.worker.sampling_metadata import make_generator
 
@@ -94,6 +94,27 @@ class InputBatch:
         if new.sampling_params.prompt_logprobs is not None:
             self.prompt_logprob_req_ids.add(new.req_id)
         return state
+
+    def apply(self, so: SchedulerOutput, take_tokens: bool = False) -> None:
+        """Apply a step's differences: requests dropped, joining, their new blocks and drafts;
+        with ``take_tokens`` (a pipelined rank that does not sample) the tokens each request
+        got since this rank last saw it."""
+        for req_id in so.finished_req_ids:
+            self.remove_request(req_id)
+        for new in so.scheduled_new_reqs:
+            self.add_request(new)
+        cached = so.scheduled_cached_reqs
+        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
+            self.block_table.append_row(self.requests[req_id].row, blocks)
+        if take_tokens:
+            for req_id, tokens in zip(cached.req_ids, cached.new_token_ids, strict=True):
+                for token in tokens:
+                    self.append_token(req_id, token)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            # After the request's last token, not counted in its tokens until accepted.
+            row = self.requests[req_id].row
+            end = int(self.num_tokens[row])
+            self.token_ids[row, end : end + len(drafts)] = drafts
 
     def remove_request(self, req_id: str) -> None:
         state = self.requests.pop(req_id, None)

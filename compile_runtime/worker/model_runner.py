@@ -42,7 +42,12 @@ from compile_runtime.cudagraph.dispatcher import (
 )
 from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.device import resolve_device
-from compile_runtime.distributed import get_parallel_state, get_tp_rank, get_tp_world_size
+from compile_runtime.distributed import (
+    get_parallel_state,
+    get_tp_rank,
+    get_tp_world_size,
+    sampling_rank,
+)
 from compile_runtime.distributed.pipeline import PipelineStage
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.lora.manager import LoRAManager
@@ -113,7 +118,7 @@ class ModelRunner:
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         state = get_parallel_state()
-        self.world_size = state.world_size if state is not None else 1
+        self.samples = state is None or state.rank == sampling_rank()  # else: told the tokens
         set_num_threads(self.config, self.device, self.tp_size)  # before the first compile
         if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -252,21 +257,6 @@ class ModelRunner:
 
     # ---- one step ---------------------------------------------------------
 
-    def _update_states(self, so: SchedulerOutput) -> None:
-        batch = self.input_batch
-        for req_id in so.finished_req_ids:
-            batch.remove_request(req_id)
-        for new in so.scheduled_new_reqs:
-            batch.add_request(new)
-        cached = so.scheduled_cached_reqs
-        for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            batch.block_table.append_row(batch.requests[req_id].row, blocks)
-        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
-            # After the request's last token, not counted in its tokens until accepted.
-            row = batch.requests[req_id].row
-            end = int(batch.num_tokens[row])
-            batch.token_ids[row, end : end + len(drafts)] = drafts
-
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
     def execute_model(self, so: SchedulerOutput) -> None:
         if self.execute_state is not None:
@@ -274,7 +264,7 @@ class ModelRunner:
                 "execute_model() called twice without sample_tokens(); call sample_tokens() "
                 "after every execute_model()"
             )
-        self._update_states(so)
+        self.input_batch.apply(so, take_tokens=self.stage is not None and not self.samples)
         if not so.num_scheduled_tokens:
             self.execute_state = ExecuteModelState([], torch.empty(0), [])
             return
@@ -372,6 +362,8 @@ class ModelRunner:
             prompt_logprobs=state.prompt_logprobs or {},
         )
         req_ids = state.sampling_req_ids
+        if self.stage is not None and not self.samples:
+            return output  # pipelined: the step's next stages sample; the tokens come later
         tokens: list[list[int]] = []
         logprobs: list = []
         if req_ids:
@@ -382,7 +374,7 @@ class ModelRunner:
                 state.logits,
                 state.drafts,
                 state.grammar_bitmask,
-                self.world_size,
+                self.tp_size > 1 and self.stage is None,
                 self.device,
             )
             for req_id, ids in zip(req_ids, tokens, strict=True):

@@ -1,8 +1,9 @@
 """Tokens from a step's logits: sampling or draft verification, prompt logprobs, and
-under tensor or pipeline parallelism the sampling rank's tokens broadcast to every rank.
+under tensor parallelism rank 0's tokens broadcast to every rank.
 
-Only the sampling rank (the last stage's first rank) has the logits: it samples, and
-every rank then appends the same tokens so the persistent batches stay identical.
+Only the sampling rank has the logits: it samples, and every rank then appends the same
+tokens so the persistent batches stay identical. Under pipeline parallelism the other
+ranks are not waited for: they get the tokens in the request's next step.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compile_runtime.distributed import broadcast_from_sampling_rank
+from compile_runtime.distributed import broadcast_from_first_rank
 from compile_runtime.worker.grammar_bitmask import apply_grammar_bitmask
 from compile_runtime.worker.input_batch import InputBatch, RequestState
 from compile_runtime.worker.rejection_sampler import rejection_sample
@@ -65,11 +66,12 @@ def sample_on_every_rank(
     logits: torch.Tensor | None,
     drafts: list[list[int]] | None,
     grammar_bitmask: dict | None,
-    world_size: int,
+    broadcast: bool,
     device: torch.device,
 ) -> tuple[list[list[int]], list]:
     """Per sampling request its tokens and logprobs: the rank with ``logits`` samples (or
-    verifies drafts) after the grammar's mask, and every rank of the job gets its tokens."""
+    verifies drafts) after the grammar's mask; with ``broadcast`` (tensor parallelism in one
+    stage) every rank gets its tokens."""
     tokens: list[list[int]] = []
     logprobs: list = []
     if logits is not None:
@@ -79,7 +81,7 @@ def sample_on_every_rank(
             row_of = dict(zip([s.req_id for s in states], starts, strict=True))
             apply_grammar_bitmask(logits, row_of, grammar_bitmask)
         tokens, logprobs = sample(sampler, logits, states, drafts)
-    if world_size > 1:
+    if broadcast:
         width = 1 + max((len(d) for d in drafts or []), default=0)
         sent = tokens if logits is not None else None
         tokens = broadcast_tokens(sent, len(states), width, device)
@@ -94,7 +96,7 @@ def broadcast_tokens(
     if tokens is not None:
         for i, ids in enumerate(tokens):
             wire[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    broadcast_from_sampling_rank(wire)
+    broadcast_from_first_rank(wire)
     return [[t for t in row if t >= 0] for row in wire.tolist()]
 
 
