@@ -186,13 +186,13 @@ class EngineCore:
             out = self.executor.sample_tokens()
             finished = self.scheduler.update_from_output(so, out)
         except BaseException as e:
+            queued, self.in_flight = list(self.in_flight), deque()  # never to be read
             if isinstance(e, ExecutorError):
                 raise
             failed = list(so.num_scheduled_tokens) if so is not None else []
-            for queued in self.in_flight:  # their tokens will never be read
-                failed += queued.num_scheduled_tokens
-                self.scheduler.abort_requests([], queued)
-            self.in_flight.clear()
+            for step in queued:
+                failed += step.num_scheduled_tokens
+                self.scheduler.abort_requests([], step)
             self.scheduler.abort_requests(failed, so)
             if not isinstance(e, Exception):  # the caller interrupted: theirs to handle
                 raise
