@@ -5,6 +5,7 @@ preemption, speculative decoding and tensor parallelism inside each stage."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -134,8 +135,16 @@ def test_the_compile_cache_key_names_the_stage():
 
     config = cr.CompilationConfig()
     keys = {
-        compute_key(key_factors(config, graph_hash="g", sources={}, pass_uuid="p",
-                                world_size=2, pipeline_stage=stage))  # fmt: skip
+        compute_key(
+            key_factors(
+                config,
+                graph_hash="g",
+                sources={},
+                pass_uuid="p",
+                world_size=2,
+                pipeline_stage=stage,
+            )
+        )  # fmt: skip
         for stage in ("0 of 2", "1 of 2")
     }
     assert len(keys) == 2
@@ -214,6 +223,34 @@ def test_uneven_partition_over_ray(model_dirs):
 
 
 @pytest.mark.slow
+def test_two_node_ray_cluster_runs_tensor_parallel_inside_nodes_and_stages_across(
+    model_dirs, reference
+):
+    """The README's two-machine recipe on one machine: a Ray cluster of a head that runs no
+    workers and two "nodes" of 2 CPUs each (``ray start`` with separate resources, as
+    Ray's own tests do); TP=2 x PP=2 puts each stage's two ranks on one node."""
+    ray = pytest.importorskip("ray")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    workers = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    try:
+        ray.init(address=cluster.address, include_dashboard=False, log_to_driver=False)
+        llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, tensor_parallel_size=2,
+                     pipeline_parallel_size=2, distributed_executor_backend="ray", **SIZES)  # fmt: skip
+        try:
+            assert _tokens(llm) == reference
+            node = llm.executor.rank_nodes
+        finally:
+            llm.shutdown()
+        assert node[0] == node[1] != node[2] == node[3]
+        assert {node[0], node[2]} == {w.node_id for w in workers}
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+@pytest.mark.slow
 def test_a_stage_that_dies_fails_the_requests_naming_its_rank(model_dirs):
     from compile_runtime.executor import WorkerDiedError
 
@@ -241,7 +278,7 @@ def test_a_stage_that_dies_fails_the_requests_naming_its_rank(model_dirs):
 def test_served_by_two_stages(model_dirs, tmp_path):
     import concurrent.futures
 
-    from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir
+    from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
 
     model = chat_model_dir(model_dirs("llama"), str(tmp_path))
     texts = ["hello world", "the quick brown fox", "one two three", "a compiler turns"] * 2
@@ -261,14 +298,35 @@ def test_served_by_two_stages(model_dirs, tmp_path):
         with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
             assert list(pool.map(complete, texts)) == want
         assert server.metric("compile_runtime_requests_finished_total") == len(texts)
+        # The last stage dies: the next request fails naming its rank, the server is unhealthy.
+        os.kill(max(worker_pids(server.proc.pid)), signal.SIGKILL)  # rank 1 started last
+        status, body = server.post("/v1/completions", {"model": server.model, "prompt": "hi",
+                                                        "max_tokens": 4})  # fmt: skip
+        assert status == 500 and "rank 1 died" in json.dumps(body)
+        assert get(server.url + "/health")[0] == 503
     finally:
         server.stop()
 
 
+def worker_pids(parent: int) -> list[int]:
+    """The spawned worker processes of ``parent`` (not its resource tracker)."""
+    with open(f"/proc/{parent}/task/{parent}/children") as f:
+        children = [int(pid) for pid in f.read().split()]
+    pids = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(pid)
+    return pids
+
+
 @pytest.mark.slow
-def test_real_model_two_stages_give_one_process_tokens():
+@pytest.mark.parametrize("backend", ["mp", "ray"])
+def test_real_model_two_stages_give_one_process_tokens(backend):
     """SmolLM2 in float32: PP=2 (15 layers a stage) greedy tokens equal one process's, with
-    mixed prompt lengths and a shared prefix."""
+    mixed prompt lengths and a shared prefix, over worker processes and Ray actors."""
+    if backend == "ray":
+        pytest.importorskip("ray")
     from compile_runtime.models.smollm2 import smollm2_gguf
 
     prompts = [list(range(1000, 1000 + n)) for n in (7, 40, 3, 90, 25, 61)]
@@ -277,5 +335,6 @@ def test_real_model_two_stages_give_one_process_tokens():
     options = dict(dtype="float32", quantization="none", max_num_seqs=8)
     with cr.LLM(smollm2_gguf(), **options) as one:
         want = _tokens(one, prompts, params)
-    with cr.LLM(smollm2_gguf(), pipeline_parallel_size=2, **options) as two:
+    with cr.LLM(smollm2_gguf(), pipeline_parallel_size=2, distributed_executor_backend=backend,
+                **options) as two:  # fmt: skip
         assert _tokens(two, prompts, params) == want

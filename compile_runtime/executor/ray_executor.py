@@ -1,6 +1,10 @@
-"""``RayExecutor``: workers as Ray actors, placed with a placement group.
+"""``RayExecutor``: workers as Ray actors, placed with placement groups.
 
-Ranks may live on different machines. Rank 0's actor reports its node; when
+Ranks may live on different machines. Under pipeline parallelism each stage is one
+placement group packed onto one node (``STRICT_PACK``): tensor parallelism stays inside a
+node, and the stages go where Ray finds room, so a cluster of nodes that each hold one
+stage runs one stage a node. ``rank_nodes`` says which node each rank got. Rank 0's actor
+reports its node; when
 every actor is on one node the process group meets on the loopback address,
 otherwise on rank 0's node address. Each step the scheduler output is put in
 Ray's object store once (``ray.put``) and every actor receives the same
@@ -57,10 +61,11 @@ class RayWorker:
         self.rank, self.world_size = rank, world_size
         self.worker: Worker | None = None
 
-    def node_ip(self) -> str:
+    def node(self) -> tuple[str, str]:
+        """(node id, node address) of this actor."""
         import ray
 
-        return ray.util.get_node_ip_address()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
 
     def free_port(self, host: str) -> int:
         return free_port(host)
@@ -87,25 +92,35 @@ class RayExecutor(Executor):
         self.config = config
         self.closed = False
         self.actors: list[Any] = []
-        self.placement_group = None
+        self.placement_groups: list[Any] = []
         self._remove_pg = remove_placement_group
         self._pending: deque[list[Any]] = deque()  # per step out, oldest first
         self.num_steps = 0
         self.owns_ray = not ray.is_initialized()
         if self.owns_ray:
             ray.init(include_dashboard=False, log_to_driver=False)
-        world = config.world_size
+        world, tp, pp = (
+            config.world_size,
+            config.tensor_parallel_size,
+            config.pipeline_parallel_size,
+        )
         use_gpu = (config.device or default_device()).startswith("cuda")
         bundle = {"GPU": 1, "CPU": 1} if use_gpu else {"CPU": 1}
         try:
-            self.placement_group = placement_group([dict(bundle)] * world, strategy="PACK")
+            # One group a stage, on one node; without stages, one group packed where it fits.
+            strategy = "STRICT_PACK" if pp > 1 else "PACK"
+            for _ in range(pp):
+                group = placement_group([dict(bundle)] * tp, strategy=strategy)
+                self.placement_groups.append(group)
             try:
-                ray.get(self.placement_group.ready(), timeout=config.startup_timeout_s)
+                ray.get(
+                    [g.ready() for g in self.placement_groups], timeout=config.startup_timeout_s
+                )
             except ray.exceptions.GetTimeoutError:
                 raise ExecutorError(
-                    f"Ray could not place {world} workers of {bundle} within "
-                    f"{config.startup_timeout_s:.0f} s; the cluster has "
-                    f"{ray.cluster_resources()}"
+                    f"Ray could not place {pp} stage(s) of {tp} workers of {bundle} "
+                    f"({strategy}: a stage on one node) within {config.startup_timeout_s:.0f} s; "
+                    f"the cluster has {ray.cluster_resources()}"
                 ) from None
             actor_cls = ray.remote(RayWorker)
             for rank in range(world):
@@ -114,13 +129,15 @@ class RayExecutor(Executor):
                         num_cpus=bundle["CPU"],
                         num_gpus=bundle.get("GPU", 0),
                         scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self.placement_group,
-                            placement_group_bundle_index=rank,
+                            placement_group=self.placement_groups[rank // tp],
+                            placement_group_bundle_index=rank % tp,
                         ),
                         runtime_env={"env_vars": dict(config.worker_env)},
                     ).remote(config, hf_config, rank, world)
                 )
-            ips = self._get([a.node_ip.remote() for a in self.actors], 300, "start-up")
+            nodes = self._get([a.node.remote() for a in self.actors], 300, "start-up")
+            self.rank_nodes = {rank: node_id for rank, (node_id, _) in nodes.items()}
+            ips = {rank: ip for rank, (_, ip) in nodes.items()}
             host = LOOPBACK if len(set(ips.values())) == 1 else ips[0]
             port = self._get([self.actors[0].free_port.remote(host)], 300, "start-up")[0]
             init_method = f"tcp://{host}:{port}"
@@ -210,9 +227,9 @@ class RayExecutor(Executor):
                 ray.kill(actor)
             except Exception:  # already dead
                 pass
-        if self.placement_group is not None:
+        for group in self.placement_groups:
             try:
-                self._remove_pg(self.placement_group)
+                self._remove_pg(group)
             except Exception:
                 pass
         if self.owns_ray:
