@@ -146,14 +146,15 @@ def pct(values: list[float], q: float) -> float:
     )
 
 
-def served(model_dir: str, requests, num_clients: int, limit_s: float) -> dict:
+def served(model_dir: str, requests, num_clients: int, limit_s: float, extra=()) -> dict:
+    """``extra``: more ``serve`` flags (e.g. ``--pipeline-parallel-size 2``)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "compile_runtime.cli", "serve", "--model", model_dir]
     cmd += ["-O", CONFIG, "--device", "cpu", "--port", str(port)]
     cmd += ["--max-num-seqs", str(ENGINE["max_num_seqs"])]
     cmd += ["--max-num-batched-tokens", str(ENGINE["max_num_batched_tokens"])]
-    cmd += ["--max-model-len", str(ENGINE["max_model_len"])]
+    cmd += ["--max-model-len", str(ENGINE["max_model_len"]), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         for _ in range(1200):

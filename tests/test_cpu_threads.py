@@ -13,11 +13,11 @@ def test_default_subtracts_busy_cores_and_splits_over_ranks(monkeypatch):
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 8)
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 0)
     assert cpu_threads.default_num_threads() == 8
-    assert cpu_threads.default_num_threads(tp_size=2) == 4
+    assert cpu_threads.default_num_threads(ranks=2) == 4
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 3)
     assert cpu_threads.default_num_threads() == 5
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 20)  # never below one thread
-    assert cpu_threads.default_num_threads(tp_size=2) == 1
+    assert cpu_threads.default_num_threads(ranks=2) == 1
 
 
 def test_busy_cores_takes_the_quietest_sample_less_this_thread(monkeypatch):
@@ -44,12 +44,12 @@ def test_the_engine_chooses_once_and_only_on_a_cpu(monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     monkeypatch.setattr(cpu_threads, "usable_cores", lambda: 8)
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 2)
-    config = cpu_threads.choose_num_threads(RunnerConfig(), "cpu", tp_size=2)
+    config = cpu_threads.choose_num_threads(RunnerConfig(), "cpu", ranks=2)
     assert config.num_threads == 3
     monkeypatch.setattr(cpu_threads, "busy_cores", lambda: 0)  # a worker's view: unchanged
-    assert cpu_threads.choose_num_threads(config, "cpu", tp_size=2) is config
+    assert cpu_threads.choose_num_threads(config, "cpu", ranks=2) is config
     assert config.num_threads == 3
-    on_gpu = cpu_threads.choose_num_threads(RunnerConfig(), "cuda", tp_size=1)
+    on_gpu = cpu_threads.choose_num_threads(RunnerConfig(), "cuda", ranks=1)
     assert on_gpu.num_threads is None
 
 

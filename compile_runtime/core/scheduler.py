@@ -82,8 +82,8 @@ class Scheduler:
     ) -> None:
         """``pipelined``: steps overlap, and the ranks that do not sample get each request's new
         tokens in its next step. ``max_model_len`` and ``vocab_size`` (None: unchecked) bound
-        what add_request admits; ``structured_outputs`` holds constrained requests' grammars (None: none admitted);
-        ``max_loras``: distinct LoRA adapters the running requests may use at once (None:
+        what add_request admits; ``structured_outputs`` holds constrained requests' grammars
+        (None: none admitted); ``max_loras``: distinct LoRA adapters the running requests may use at once (None:
         requests with an adapter are refused)."""
         check_scheduler_sizes(
             dict(block_size=block_size, max_num_seqs=max_num_seqs, max_model_len=max_model_len,

@@ -22,7 +22,7 @@ from compile_runtime.config import EngineConfig
 from compile_runtime.core.request import Request, RequestStatus, ended_by_stop_token
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from compile_runtime.core.scheduler_output import SchedulerOutput
+from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.core.structured_output import StructuredOutputManager
 from compile_runtime.executor import Executor, ExecutorError
@@ -211,13 +211,15 @@ class EngineCore:
         while len(self.in_flight) < self.pipeline_depth and scheduler.has_schedulable():
             share = -(-len(scheduler.requests) // self.pipeline_depth)
             so = scheduler.schedule(max_requests=share)
+            self.in_flight.append(so)  # before sending: a failed send aborts its requests too
             self.executor.execute_model(so)
-            self.in_flight.append(so)
             if not so.num_scheduled_tokens:  # out of blocks, adapter slots or grammars
                 break
         return self.in_flight.popleft() if self.in_flight else None
 
-    def _step_output(self, so: SchedulerOutput, out: Any, finished: list, start: float):
+    def _step_output(
+        self, so: SchedulerOutput, out: ModelRunnerOutput, finished: list[Request], start: float
+    ) -> StepOutput:
         counts, drafts = so.num_scheduled_tokens, so.scheduled_spec_decode_tokens
         tokens = []
         for req_id, ids, lps in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):

@@ -87,45 +87,46 @@ def busy_cores() -> int:
     return max(0, min(counts) - 1)
 
 
-def default_num_threads(tp_size: int = 1) -> int:
+def default_num_threads(ranks: int = 1) -> int:
     """Threads per rank: free cores split over the ranks, at least 1; OMP_NUM_THREADS wins."""
     if os.environ.get("OMP_NUM_THREADS"):
         return torch.get_num_threads()
     cores = usable_cores()
     busy = min(busy_cores(), cores - 1)
-    threads = max(1, (cores - busy) // tp_size)
+    threads = max(1, (cores - busy) // ranks)
     logger.info(
         "CPU threads per rank: %d (%d cores, %d busy with other work, %d rank(s)); "
         "set LLM(num_threads=...) or OMP_NUM_THREADS to choose",
         threads,
         cores,
         busy,
-        tp_size,
+        ranks,
     )
     return threads
 
 
-def resolve_num_threads(requested: int | None, tp_size: int = 1) -> int:
+def resolve_num_threads(requested: int | None, ranks: int = 1) -> int:
     if requested is None:
-        return default_num_threads(tp_size)
+        return default_num_threads(ranks)
     if requested < 1:
         raise ValueError(f"num_threads must be at least 1, got {requested}")
     return requested
 
 
 def choose_num_threads(
-    config: RunnerConfig, device: torch.device | str, tp_size: int
+    config: RunnerConfig, device: torch.device | str, ranks: int
 ) -> RunnerConfig:
     """``config`` with ``num_threads`` decided for a CPU engine (an explicit count is checked)."""
     if torch.device(device).type != "cpu":
         return config
-    chosen = resolve_num_threads(config.num_threads, tp_size)
+    chosen = resolve_num_threads(config.num_threads, ranks)
     if chosen == config.num_threads:
         return config
     return config.model_copy(update={"num_threads": chosen})
 
 
-def set_num_threads(config: RunnerConfig, device: torch.device, tp_size: int) -> None:
-    """Set this process's count to the engine's, on a CPU (choosing it if none was chosen)."""
+def set_num_threads(config: RunnerConfig, device: torch.device, ranks: int) -> None:
+    """Set this process's count to the engine's, on a CPU (choosing it if none was chosen,
+    for one of ``ranks`` processes sharing the cores)."""
     if device.type == "cpu":
-        torch.set_num_threads(resolve_num_threads(config.num_threads, tp_size))
+        torch.set_num_threads(resolve_num_threads(config.num_threads, ranks))

@@ -119,7 +119,8 @@ class ModelRunner:
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         state = get_parallel_state()
         self.samples = state is None or state.rank == sampling_rank()  # else: told the tokens
-        set_num_threads(self.config, self.device, self.tp_size)  # before the first compile
+        ranks = state.world_size if state is not None else 1  # processes sharing the cores
+        set_num_threads(self.config, self.device, ranks)  # before the first compile
         if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
             torch.cuda.reset_peak_memory_stats(self.device)
         self._allocated_at_start = allocated_bytes(self.device)
