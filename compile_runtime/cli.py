@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="the OpenAI-compatible HTTP server on a model directory")
-    add_engine_arguments(serve)
+    serve.add_argument("model_tag", nargs="?", metavar="MODEL", help="the model, as --model")
+    add_engine_arguments(serve, model_required=False)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int_at_least(0), default=8000)
     serve.add_argument(
@@ -207,6 +208,11 @@ def _serve(args: argparse.Namespace) -> int:
     from compile_runtime.device import default_device
     from compile_runtime.server.run import serve
 
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"serve {args.model_tag} --model {args.model}: give the model once")
+    args.model = args.model or args.model_tag
+    if args.model is None:
+        raise ValueError("serve needs a model: compile-runtime serve MODEL (or --model MODEL)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     if args.lora_modules and not args.enable_lora:

@@ -10,11 +10,12 @@ from compile_runtime.config import parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """What builds the engine (``_engine``), shared by ``generate`` and ``serve``."""
+def add_engine_arguments(p: argparse.ArgumentParser, model_required: bool = True) -> None:
+    """What builds the engine (``_engine``), shared by ``generate`` and ``serve`` (whose model
+    may come positionally instead, as ``vllm serve MODEL``: ``model_required=False``)."""
     p.add_argument(
         "--model",
-        required=True,
+        required=model_required,
         help="model directory (config.json + safetensors) or a .gguf file",
     )
     p.add_argument("-O", "--compilation-config", default=None, help="CompilationConfig as JSON")

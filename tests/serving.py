@@ -73,6 +73,26 @@ def sse_events(text: str) -> list[dict | str]:
     return out
 
 
+def streamed_tool_calls(choices: list[dict]) -> tuple[list[dict], int]:
+    """The tool calls a stream's choice deltas add up to, as the OpenAI SDK accumulates them
+    (``index`` picks the call; ``id``, ``type`` and the name come once, the arguments in
+    pieces), and how many argument pieces there were."""
+    calls: dict[int, dict] = {}
+    pieces = 0
+    for choice in choices:
+        for delta in choice["delta"].get("tool_calls") or []:
+            call = calls.get(delta["index"])
+            if call is None:
+                assert {"id", "type"} <= set(delta) and "name" in delta["function"]
+                call = calls[delta["index"]] = {"id": delta["id"], "type": delta["type"],
+                                                "function": dict(delta["function"])}  # fmt: skip
+            else:
+                assert "id" not in delta and "name" not in delta["function"]
+                call["function"]["arguments"] += delta["function"]["arguments"]
+            pieces += bool(delta["function"].get("arguments"))
+    return [calls[i] for i in sorted(calls)], pieces
+
+
 def chat_model_dir(model_dir: str, root: str) -> str:
     """A copy of a tiny model with ``CHAT_TEMPLATE`` in its tokenizer config."""
     path = os.path.join(root, "model")

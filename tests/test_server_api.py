@@ -16,7 +16,15 @@ pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
-from serving import MAX_MODEL_LEN, RunningServer, chat_model_dir, get, http, sse_events
+from serving import (
+    MAX_MODEL_LEN,
+    RunningServer,
+    chat_model_dir,
+    get,
+    http,
+    sse_events,
+    streamed_tool_calls,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -273,10 +281,13 @@ def test_forced_tool_calls_whole_and_streamed(server, tool_choice, finish):
     assert call["function"]["name"] == "weather" and call["id"].startswith("call_")
     assert json.loads(call["function"]["arguments"])["city"] in ("Paris", "Rome")
     body = {"model": server.model, "messages": MESSAGES, "stream": True, **fields}
-    last = streamed(server, "/v1/chat/completions", body)[-1]["choices"][0]
-    assert last["finish_reason"] == finish
-    (streamed_call,) = last["delta"]["tool_calls"]
-    assert streamed_call["index"] == 0 and streamed_call["function"] == call["function"]
+    chunks = [
+        e["choices"][0] for e in streamed(server, "/v1/chat/completions", body) if e["choices"]
+    ]
+    assert chunks[-1]["finish_reason"] == finish
+    (streamed_call,), pieces = streamed_tool_calls(chunks)
+    assert streamed_call["function"] == call["function"]  # the arguments as the model wrote them
+    assert pieces > 1  # sent as they were generated
 
 
 def test_the_stop_tokens_text_is_left_out_whole_and_streamed(server):

@@ -122,3 +122,49 @@ def test_auto_needs_a_parser_and_a_known_name():
     assert tool_call_parser(None) is None
     with pytest.raises(ValueError, match="hermes"):
         tool_call_parser("mistral2")
+
+
+def _streamed(find, text: str, cuts: list[int]) -> tuple[list[dict], list[dict]]:
+    """The calls a stream's deltas add up to, cut at ``cuts``, and the deltas."""
+    from compile_runtime.server.tool_call_text import CallDeltas
+
+    deltas, tracker = [], CallDeltas()
+    for end in [*sorted(set(cuts)), len(text)]:
+        deltas += tracker.update(find(text[:end]))
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        if "id" in d:
+            calls[d["index"]] = {"name": d["function"]["name"], "arguments": ""}
+        calls[d["index"]]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)], deltas
+
+
+ARGS = '{"city": "Pa\\"ris", "days": [1, 2]}'
+STREAMED = [
+    ("hermes", f"Let me look.<tool_call>{PARIS}</tool_call><tool_call>{ROME}</tool_call>"),
+    ("hermes", f'<tool_call>{{"name": "weather", "arguments": {ARGS}}}'),
+    ("llama3_json", f'<|python_tag|>{{"name": "weather", "parameters": {ARGS}}}; {ROME}'),
+]
+
+
+@pytest.mark.parametrize("name, text", STREAMED)
+@given(cuts=st.lists(st.integers(0, 120), max_size=12))
+def test_streamed_call_deltas_add_up_to_the_whole_answers_calls(name, text, cuts):
+    parser = tool_call_parser(name)
+    calls, deltas = _streamed(parser.stream_calls, text, cuts)
+    whole = [c["function"] for c in parser.parse(text)[1]]
+    assert calls == whole and whole
+    assert [d["index"] for d in deltas if "id" in d] == list(range(len(whole)))
+
+
+@pytest.mark.parametrize("forced", [None, "weather"])
+@given(cuts=st.lists(st.integers(0, 90), max_size=12))
+def test_forced_call_deltas_add_up_to_the_whole_answers_calls(forced, cuts):
+    from compile_runtime.server.tools import constrained_calls, tool_calls
+
+    text = ARGS if forced else f'[{{"name": "weather", "parameters": {ARGS}}}, ' \
+        '{"name": "time", "parameters": {}}]'  # fmt: skip
+    calls, _ = _streamed(lambda t: constrained_calls(t, forced), text, cuts)
+    whole = [c["function"] for c in tool_calls(text, forced)]
+    assert calls == whole
+    assert whole[0]["arguments"] == ARGS  # as written, not re-serialized

@@ -22,6 +22,8 @@ In the order a request goes through it:
 * ``openai_format.py``: the response bodies and stream chunks; ``logprobs.py`` their logprobs.
 * ``errors.py``: OpenAI-shaped error bodies and the app's error handlers, on every path.
 * ``metrics.py``: the Prometheus ``/metrics``.
+* ``responses.py``: ``/v1/responses`` on the chat pipeline; ``response_items.py`` its objects,
+  ``response_events.py`` its stream's events, ``response_store.py`` the responses kept.
 * ``lora_modules.py``: the LoRA adapters served by name, and the routes that load and unload
   them at run time.
 """

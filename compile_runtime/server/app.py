@@ -2,7 +2,7 @@
 
 The routes of vLLM's OpenAI server that a client of it uses: ``/v1/completions`` and
 ``/v1/chat/completions`` (streamed as server-sent events ending with ``data: [DONE]``, or
-whole), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``,
+whole), ``/v1/responses`` (and ``GET /v1/responses/{id}``), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``,
 ``/version`` and ``/metrics`` (Prometheus). A failure is an OpenAI-style error body and
 the server goes on; every request is one access-log line.
 """
@@ -20,16 +20,18 @@ from compile_runtime.server import tokenization
 from compile_runtime.server.access_log import AccessLog
 from compile_runtime.server.chat_completions import chat as chat_completions
 from compile_runtime.server.completions import completions as text_completions
-from compile_runtime.server.errors import add_error_handlers
+from compile_runtime.server.errors import APIError, add_error_handlers
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     LoadLoRAAdapterRequest,
+    ResponsesRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from compile_runtime.server.responses import responses
 from compile_runtime.version import __version__
 
 # vLLM's ModelPermission, as its /v1/models lists it: sampling and logprobs, nothing else.
@@ -107,6 +109,19 @@ def build_app(server: Server) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         return await chat_completions(server, body, request.state.tokens)
+
+    @app.post("/v1/responses")
+    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+        return await responses(server, body, request.state.tokens)
+
+    @app.get("/v1/responses/{response_id}")
+    async def get_response(response_id: str) -> dict:
+        return server.responses.get(response_id)[0]
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict:
+        server.responses.get(response_id)  # 404 when unknown
+        raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

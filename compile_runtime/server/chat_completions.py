@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, ``n`` choices,
 whole or streamed, with logprobs, structured outputs and tool calls: forced (``tools.py``:
 the output constrained to the tools' schemas) or ``auto`` (parsed out of free text,
-``tool_parsers.py``), answered as ``tool_calls``; in a stream, in the last chunk of each
-choice."""
+``tool_parsers.py``), answered as ``tool_calls``; in a stream, as deltas: each call's name,
+then its arguments as they are generated (``tool_call_text.py``)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import ChatCompletionRequest
 from compile_runtime.server.streaming import collect, event_stream
 from compile_runtime.server.structured import ConstraintError
-from compile_runtime.server.tools import AUTO, tool_calls, tool_constraint
+from compile_runtime.server.tool_call_text import CallDeltas
+from compile_runtime.server.tools import AUTO, constrained_calls, tool_calls, tool_constraint
 from compile_runtime.server.unsupported import check_fields
 
 
@@ -93,15 +94,15 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
     if body.stream:
         every = body.stream_options is not None and body.stream_options.continuous_usage_stats
         started: set[int] = set()
-        released: dict[int, str] = {}  # auto tool calls: the text released per choice
-        sent: dict[int, int] = {}  # and how much of it went out as content
+        released: dict[int, str] = {}  # tool calls: the text released per choice
+        sent: dict[int, int] = {}  # auto: how much of it went out as content
+        deltas: dict[int, CallDeltas] = {}
 
-        def content_piece(choice: Choice, piece: str, finish: str | None) -> str:
+        def content_piece(choice: Choice, text: str, piece: str, finish: str | None) -> str:
             if calls:
                 return ""
             if forced != AUTO:
                 return piece
-            text = released[choice.index] = released.get(choice.index, "") + piece
             done = sent.get(choice.index, 0)
             if finish is not None:  # what is left of the content, calls taken out
                 content = _message(server, choice, calls, forced)[0]["content"] or ""
@@ -113,17 +114,25 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         def chunk(choice: Choice, piece: str, finish: str | None) -> dict:
             first = choice.index not in started
             started.add(choice.index)
-            text = content_piece(choice, piece, finish)
-            out = openai_format.chat_chunk_choice(choice, text, finish, first, tok, k)
-            if (calls or forced == AUTO) and finish is not None:  # calls once complete
-                message, out["finish_reason"] = _message(server, choice, calls, forced)
-                made = message.get("tool_calls")
+            text = released[choice.index] = released.get(choice.index, "") + piece
+            out = openai_format.chat_chunk_choice(
+                choice, content_piece(choice, text, piece, finish), finish, first, tok, k
+            )
+            if calls or forced == AUTO:  # each call's name, then its arguments as they come
+                found = (
+                    server.tool_parser.stream_calls(text)
+                    if forced == AUTO
+                    else constrained_calls(text, forced)
+                )
+                made = deltas.setdefault(choice.index, CallDeltas()).update(found)
                 if made:
-                    out["delta"]["tool_calls"] = [{"index": i, **c} for i, c in enumerate(made)]
+                    out["delta"]["tool_calls"] = made
                     if not out["delta"].get("content"):
                         out["delta"].pop("content", None)
-                elif calls:
-                    out["delta"]["content"] = message["content"]
+                if finish is not None:
+                    message, out["finish_reason"] = _message(server, choice, calls, forced)
+                    if calls and not message.get("tool_calls"):  # cut short: the text
+                        out["delta"]["content"] = message["content"]
             usage = openai_format.usage([ids], choices) if every else None
             return payload("chat.completion.chunk", [out], usage)
 

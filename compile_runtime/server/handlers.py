@@ -18,6 +18,7 @@ from compile_runtime.server.engine_inputs import check_length
 from compile_runtime.server.errors import APIError
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
+from compile_runtime.server.response_store import ResponseStore
 
 
 class Server:
@@ -42,6 +43,7 @@ class Server:
         self.metrics: ServerMetrics | None = None
         self.created = int(time.time())
         self.adapters = ServedAdapters(model_name, llm.core, runtime_lora_updating)
+        self.responses = ResponseStore()  # /v1/responses kept for previous_response_id
         for name, path in lora_modules or []:
             try:
                 self.adapters.add(name, path)

@@ -102,6 +102,32 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: str | dict[str, Any] | None = None  # None: "auto" with tools, as vLLM takes it
 
 
+class ResponsesRequest(OpenAIModel):
+    """``POST /v1/responses``: OpenAI's Responses fields (``responses.py`` runs them as a chat
+    completion); vLLM's sampling extras pass through to it."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: dict[str, Any] | None = None
+    previous_response_id: str | None = None
+    store: bool | None = True
+    stream: bool | None = False
+    background: bool | None = False
+    truncation: str | None = None
+    metadata: dict[str, Any] | None = None
+    user: str | None = None
+    reasoning: dict[str, Any] | None = None  # no reasoning models here: taken, unused
+    include: list[str] | None = None
+
+
 class TokenizeRequest(ChatTemplateFields):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the template."""
 

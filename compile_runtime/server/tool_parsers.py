@@ -5,7 +5,9 @@ in its family's own syntax; the server (``--enable-auto-tool-choice --tool-call-
 NAME``, vLLM's flags) splits the output into ``content`` and OpenAI ``tool_calls``. A call
 that does not parse stays in the content, as written: nothing is dropped. In a stream the
 content is sent as it comes, minus any tail that may be the start of a call (what was sent
-is always a prefix of the final content); the calls come whole in the choice's last chunk.
+is always a prefix of the final content); each call streams as deltas, its name then its
+arguments as written (``stream_calls``, ``tool_call_text.py``), and the whole answer's
+arguments are the same text.
 
 * ``hermes`` (Hermes, Qwen 2/2.5/3, SmolLM3): ``<tool_call>{"name": ..., "arguments":
   {...}}</tool_call>``, any number, anywhere in the text.
@@ -18,25 +20,24 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from typing import Any
 
-
-def openai_call(name: str, arguments: Any) -> dict[str, Any]:
-    """One OpenAI ``tool_calls`` entry (arguments as a JSON string, a fresh id)."""
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
-    return {
-        "id": f"call_{uuid.uuid4().hex[:24]}",
-        "type": "function",
-        "function": {"name": name, "arguments": text},
-    }
+from compile_runtime.server.tool_call_text import PartialCall, new_call_id, partial_calls
 
 
-def _call_of(value: Any, arguments_key: str) -> dict[str, Any] | None:
+def openai_call(name: str, arguments: str) -> dict[str, Any]:
+    """One OpenAI ``tool_calls`` entry (arguments: the JSON text, a fresh id)."""
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": arguments or "{}"}}  # fmt: skip
+
+
+def _call_of(text: str, arguments_key: str) -> dict[str, Any] | None:
+    """The call one JSON object's text makes, its arguments as written; None if it is not one."""
+    value = json.loads(text)
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    arguments = value.get(arguments_key, value.get("arguments", {}))
-    return openai_call(value["name"], arguments)
+    (call,) = partial_calls(text, arguments_key)
+    return openai_call(value["name"], call.arguments)
 
 
 def _held_back(text: str, marker: str) -> int:
@@ -55,7 +56,7 @@ class HermesParser:
         calls, kept, end = [], [], 0
         for match in self._CALL.finditer(text):
             try:
-                call = _call_of(json.loads(match.group(1)), "arguments")
+                call = _call_of(match.group(1), "arguments")
             except json.JSONDecodeError:
                 call = None
             if call is None:
@@ -73,6 +74,13 @@ class HermesParser:
         start = text.find(self.START)
         return start if start >= 0 else len(text) - _held_back(text, self.START)
 
+    def stream_calls(self, text: str) -> list[PartialCall]:
+        """The calls written so far, the last perhaps still growing."""
+        calls = []
+        for piece in text.split(self.START)[1:]:
+            calls += partial_calls(piece.split(self.END)[0], "arguments")
+        return calls
+
 
 class Llama3JsonParser:
     TAG = "<|python_tag|>"
@@ -83,11 +91,12 @@ class Llama3JsonParser:
             return text, []
         calls, decoder, at = [], json.JSONDecoder(), 0
         while at < len(body):
+            start = at
             try:
-                value, at = decoder.raw_decode(body, at)
+                _, at = decoder.raw_decode(body, at)
             except json.JSONDecodeError:
                 return text, []
-            call = _call_of(value, "parameters")
+            call = _call_of(body[start:at], "parameters")
             if call is None:
                 return text, []
             calls.append(call)
@@ -99,6 +108,10 @@ class Llama3JsonParser:
         if head.startswith("{") or head.startswith(self.TAG) or self.TAG.startswith(head):
             return 0  # may be a call: held until the output is complete
         return len(text)
+
+    def stream_calls(self, text: str) -> list[PartialCall]:
+        body = text.lstrip().removeprefix(self.TAG).lstrip()
+        return partial_calls(body, "parameters") if body.startswith("{") else []
 
 
 PARSERS = {"hermes": HermesParser, "llama3_json": Llama3JsonParser}

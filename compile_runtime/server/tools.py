@@ -14,6 +14,7 @@ from typing import Any
 
 from compile_runtime.core.sampling_params import StructuredOutputsParams
 from compile_runtime.server.structured import ConstraintError
+from compile_runtime.server.tool_call_text import PartialCall, named_call, partial_calls
 from compile_runtime.server.tool_parsers import openai_call
 
 AUTO = "auto"  # tool_constraint's answer for tool_choice="auto": no constraint, parse the text
@@ -78,11 +79,14 @@ def tool_constraint(
     return StructuredOutputsParams(json=functions[name]), name
 
 
-def tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
-    """OpenAI ``tool_calls`` from the constrained output (a list of calls, or one function's
+def constrained_calls(text: str, forced: str | None) -> list[PartialCall]:
+    """The calls in the constrained output so far (a list of calls, or one function's
     arguments when ``forced`` names it)."""
-    value = json.loads(text)
-    calls = (
-        [(forced, value)] if forced is not None else [(c["name"], c["parameters"]) for c in value]
-    )
-    return [openai_call(name, arguments) for name, arguments in calls]
+    return [named_call(text, forced)] if forced is not None else partial_calls(text, "parameters")
+
+
+def tool_calls(text: str, forced: str | None) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` from the whole constrained output, each call's arguments as the
+    model wrote them; JSONDecodeError when the output was cut short."""
+    json.loads(text)
+    return [openai_call(c.name, c.arguments) for c in constrained_calls(text, forced)]
