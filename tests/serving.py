@@ -106,6 +106,38 @@ def chat_model_dir(model_dir: str, root: str) -> str:
     return path
 
 
+def serve_like_offline(model_dir: str, root: str, *flags: str) -> RunningServer:
+    """A server of ``model_dir`` (with a chat template) started with ``flags``, after checking
+    that 8 concurrent greedy completions from it equal one offline engine's; the caller
+    stops it."""
+    import concurrent.futures
+
+    import compile_runtime as cr
+
+    model = chat_model_dir(model_dir, root)
+    texts = ["hello world", "the quick brown fox", "one two three", "a compiler turns"] * 2
+    params = cr.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with cr.LLM(model, CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8) as one:
+        want = [o.outputs[0].text for o in one.generate(texts, params, use_tqdm=False)]
+    server = RunningServer(model, *flags, "--max-num-seqs", "8")
+
+    def complete(prompt: str) -> str:
+        out = server.client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=12, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        return out.choices[0].text
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
+            assert list(pool.map(complete, texts)) == want
+        assert server.metric("compile_runtime_requests_finished_total") == len(texts)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
 class RunningServer:
     def __init__(self, model_dir: str, *extra: str):
         self.port = free_port()

@@ -276,28 +276,10 @@ def test_a_stage_that_dies_fails_the_requests_naming_its_rank(model_dirs):
 
 @pytest.mark.slow
 def test_served_by_two_stages(model_dirs, tmp_path):
-    import concurrent.futures
+    from serving import get, serve_like_offline
 
-    from serving import CONFIG, MAX_MODEL_LEN, RunningServer, chat_model_dir, get
-
-    model = chat_model_dir(model_dirs("llama"), str(tmp_path))
-    texts = ["hello world", "the quick brown fox", "one two three", "a compiler turns"] * 2
-    params = cr.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    with cr.LLM(model, CONFIG, max_model_len=MAX_MODEL_LEN, max_num_seqs=8) as one:
-        want = [o.outputs[0].text for o in one.generate(texts, params, use_tqdm=False)]
-    server = RunningServer(model, "--pipeline-parallel-size", "2", "--max-num-seqs", "8")
+    server = serve_like_offline(model_dirs("llama"), str(tmp_path), "--pipeline-parallel-size", "2")
     try:
-
-        def complete(prompt):
-            out = server.client.completions.create(
-                model=server.model, prompt=prompt, max_tokens=12, temperature=0,
-                extra_body={"ignore_eos": True},
-            )  # fmt: skip
-            return out.choices[0].text
-
-        with concurrent.futures.ThreadPoolExecutor(len(texts)) as pool:
-            assert list(pool.map(complete, texts)) == want
-        assert server.metric("compile_runtime_requests_finished_total") == len(texts)
         # The last stage dies: the next request fails naming its rank, the server is unhealthy.
         os.kill(max(worker_pids(server.proc.pid)), signal.SIGKILL)  # rank 1 started last
         status, body = server.post("/v1/completions", {"model": server.model, "prompt": "hi",
