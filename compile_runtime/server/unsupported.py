@@ -78,8 +78,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, SamplingFields], bool], str]] = {
 
 def check_fields(body: SamplingFields) -> None:
     """A 400 for the first field the engine cannot honour, else warn of unknown ones."""
-    if body.prompt_logprobs is not None and body.stream:
-        message = "prompt_logprobs is not supported with stream=true"
+    if body.prompt_logprobs and body.stream:  # vLLM's rule and words (0 is taken)
+        message = "`prompt_logprobs` are not available when `stream=True`."
         raise APIError(400, message, "prompt_logprobs")
     extra = body.model_extra or {}
     for name, value in extra.items():
