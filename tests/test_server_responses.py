@@ -155,3 +155,31 @@ def test_store_false_keeps_nothing_and_unknown_ids_are_404(server):
 def test_fields_it_cannot_honour_are_400_naming_them(server, fields, param):
     status, body = server.post("/v1/responses", {"model": server.model, "input": "x", **fields})
     assert status == 400 and body["error"]["param"] == param
+
+
+def test_real_model_responses_equal_its_chat_completions(gguf_path):
+    """SmolLM2 (the GGUF file): a response, whole and streamed through the SDK's helper, has
+    the chat completion's text; a follow-up with previous_response_id sees the first turn."""
+    s = RunningServer(gguf_path, "--max-model-len", "1024")
+    try:
+        client = s.client
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        chat = client.chat.completions.create(model=s.model, messages=question,
+                                              temperature=0, max_tokens=24)  # fmt: skip
+        r = client.responses.create(model=s.model, input=question, temperature=0,
+                                    max_output_tokens=24)  # fmt: skip
+        assert r.output_text == chat.choices[0].message.content and "Paris" in r.output_text
+        with client.responses.stream(model=s.model, input=question, temperature=0,
+                                     max_output_tokens=24) as stream:  # fmt: skip
+            types = distinct([event.type for event in stream])
+            final = stream.get_final_response()
+        assert types == TEXT_EVENTS and final.output_text == r.output_text
+        follow = client.responses.create(model=s.model, input="And of Italy?", temperature=0,
+                                         previous_response_id=r.id, max_output_tokens=24)  # fmt: skip
+        turns = question + [{"role": "assistant", "content": r.output_text},
+                            {"role": "user", "content": "And of Italy?"}]  # fmt: skip
+        again = client.chat.completions.create(model=s.model, messages=turns, temperature=0,
+                                               max_tokens=24)  # fmt: skip
+        assert follow.output_text == again.choices[0].message.content
+    finally:
+        s.stop()
