@@ -73,6 +73,12 @@ def sse_events(text: str) -> list[dict | str]:
     return out
 
 
+def no_whitespace(server) -> dict[str, int]:
+    """A logit_bias that keeps a random model from JSON whitespace (it would loop on it)."""
+    body = {"model": server.model, "prompt": " \n\t\r", "add_special_tokens": False}
+    return {str(t): -100 for t in server.post("/tokenize", body)[1]["tokens"]}
+
+
 def streamed_tool_calls(choices: list[dict]) -> tuple[list[dict], int]:
     """The tool calls a stream's choice deltas add up to, as the OpenAI SDK accumulates them
     (``index`` picks the call; ``id``, ``type`` and the name come once, the arguments in

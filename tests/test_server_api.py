@@ -22,6 +22,7 @@ from serving import (
     chat_model_dir,
     get,
     http,
+    no_whitespace,
     sse_events,
     streamed_tool_calls,
 )
@@ -247,12 +248,6 @@ def test_a_kv_cache_too_small_for_max_model_len_names_the_flags(model_dirs):
 
 
 # ---- structured outputs and forced tool calls ---------------------------------------------
-
-
-def no_whitespace(server) -> dict[str, int]:
-    """A logit_bias that keeps this random model from JSON whitespace (it would loop on it)."""
-    body = {"model": server.model, "prompt": " \n\t\r", "add_special_tokens": False}
-    return {str(t): -100 for t in server.post("/tokenize", body)[1]["tokens"]}
 
 
 def test_structured_outputs_on_both_endpoints(server):
