@@ -7,7 +7,8 @@ The order the OpenAI SDK's stream helper expects: ``response.created``,
 ``response.output_item.done``; for each tool call, ``response.output_item.added`` (a
 function call), ``response.function_call_arguments.delta`` per argument fragment,
 ``response.function_call_arguments.done``, ``response.output_item.done``; last
-``response.completed`` (or ``response.incomplete``) with the whole response. Every event
+``response.completed`` with the whole response (status "incomplete" when it was cut at
+``max_output_tokens``, as vLLM sends it). Every event
 carries a ``sequence_number``; an error is an ``error`` event.
 """
 
@@ -154,7 +155,6 @@ def stream_events(
         if calls:
             message["tool_calls"] = calls
         keep(response, message)
-        done = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
-        yield w.event(done, response=response)
+        yield w.event("response.completed", response=response)  # status may be "incomplete"
 
     return StreamingResponse(events(), media_type="text/event-stream")
