@@ -630,16 +630,18 @@ def fail_once(monkeypatch, obj, name: str, at_call: int) -> list[int]:
     [
         "execute_model",  # before the runner applies the step
         "compute_logits",  # inside the forward step, after the batch took the step's requests
-        "_sample",  # in sample_tokens, after execute_model succeeded
+        "sample_on_every_rank",  # in sample_tokens, after execute_model succeeded
     ],
 )
 @pytest.mark.parametrize("at_call", [1, 3])  # the first prefill; mid-generation
 def test_failed_step_aborts_the_call_frees_blocks_and_engine_goes_on(
     llm, expected, good_call_steps, monkeypatch, where, at_call
 ):
+    from compile_runtime.worker import model_runner
+
     runner = llm.runner
-    target = runner.model if where == "compute_logits" else runner
-    calls = fail_once(monkeypatch, target, where, at_call)
+    targets = {"compute_logits": runner.model, "sample_on_every_rank": model_runner}
+    calls = fail_once(monkeypatch, targets.get(where, runner), where, at_call)
     with pytest.raises(StepFailedError, match="RuntimeError: injected fault") as exc:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     err = exc.value

@@ -13,7 +13,8 @@ In the order a request goes through it:
 * ``structured.py``, ``tools.py``: structured-output fields and forced tool calls as one
   output constraint; the constrained output as ``tool_calls``.
 * ``tool_parsers.py``: ``tool_choice="auto"``: calls in the model family's own syntax
-  (hermes, llama3_json) parsed out of free text.
+  (hermes, llama3_json) parsed out of free text; ``tool_call_text.py``: calls read out of
+  JSON text still growing, and their stream deltas.
 * ``tokenization.py``: ``/tokenize`` and ``/detokenize``.
 * ``engine_inputs.py``: a request as prompt token ids and one ``SamplingParams`` per choice.
 * ``handlers.py``: ``Server``, the engine, and the one way a call's requests reach it.
