@@ -109,6 +109,7 @@ class CompiledForward:
         if self.graph_compiler is None or not self.load_program:
             return False
         bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()  # the key sees every argument, passed or defaulted, as at a save
         plan = program.program_for_call(self, bound.arguments)
         direct = None if plan is None else program.load(self, plan[0])
         if direct is None:
@@ -121,6 +122,7 @@ class CompiledForward:
         if self.load_saved_program(*args, **kwargs):
             return self.direct(*args, **kwargs)
         bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
         self.none_pattern = self._record_none_pattern(bound)
         plan = program.program_for_call(self, bound.arguments)
         if plan is not None:
