@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import struct
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -102,15 +101,27 @@ def unpermute_rotary(w: np.ndarray, num_heads: int) -> np.ndarray:
     )
 
 
+def _unreadable(path: str, e: BaseException, what: str = "") -> GGUFError:
+    """One line for a damaged file: which file, what in it, and the fix."""
+    detail = " ".join(str(e).split())[:300]  # a library's message may span lines
+    return GGUFError(
+        f"{path} is not a readable GGUF file: {what}{detail} ({type(e).__name__}); it is "
+        "truncated or damaged: download or convert it again"
+    )
+
+
 def _reader(path: str):
+    """``gguf.GGUFReader``, after ``read_index`` has checked the header (its errors name the
+    field; GGUFReader's are numpy's own)."""
     try:
         import gguf
     except ImportError as e:
         raise GGUFError("reading GGUF files needs the gguf package: pip install gguf") from e
     try:
+        read_index(path)
         return gguf.GGUFReader(path)
     except Exception as e:  # a truncated or foreign file: numpy/struct errors of all kinds
-        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+        raise _unreadable(path, e) from None
 
 
 def _field(reader, key: str) -> Any:
@@ -135,11 +146,22 @@ class GGUFTensor:
     """One tensor of a GGUF file under its Hugging Face name: dequantized on ``read``, or
     kept in its quantized blocks by ``read_quantized`` (Q8_0, Q4_0, Q4_1)."""
 
-    def __init__(self, name: str, tensor: Any, rotary_heads: int | None):
+    def __init__(self, name: str, tensor: Any, rotary_heads: int | None, path: str):
         self.name = name
         self.raw = tensor  # gguf's ReaderTensor: quantized blocks, type, shape
         self.shape = tuple(int(d) for d in reversed(tensor.shape))
         self._rotary_heads = rotary_heads
+        self._path = path
+        if rotary_heads and self.shape[0] % (2 * rotary_heads):
+            raise GGUFError(
+                f"{path}: tensor {tensor.name} has {self.shape[0]} rows, not pairs for each of "
+                f"its {rotary_heads} attention heads (the file's head count); the file is "
+                "damaged: download or convert it again"
+            )
+
+    def _failed(self, e: Exception) -> GGUFError:
+        what = f"tensor {self.raw.name} ({self.type_name}, shape {self.shape}): "
+        return _unreadable(self._path, e, what)
 
     @property
     def type_name(self) -> str:
@@ -154,7 +176,10 @@ class GGUFTensor:
     def read(self) -> torch.Tensor:
         from gguf.quants import dequantize
 
-        w = dequantize(self.raw.data, self.raw.tensor_type).reshape(self.shape)
+        try:  # numpy's errors on a table that GGUFReader let through (an empty dim, ...)
+            w = dequantize(self.raw.data, self.raw.tensor_type).reshape(self.shape)
+        except (ValueError, NotImplementedError) as e:
+            raise self._failed(e) from None
         if self._rotary_heads:
             w = unpermute_rotary(w, self._rotary_heads)
         # A copy: float tensors come back as views of the read-only memory map.
@@ -171,7 +196,10 @@ class GGUFTensor:
         fmt = self.quant_format
         if fmt is None:
             raise GGUFError(f"{self.name} is {self.type_name}, not a kept quantized type")
-        blocks = np.asarray(self.raw.data).reshape(self.shape[0], -1, fmt.block_bytes)
+        try:
+            blocks = np.asarray(self.raw.data).reshape(self.shape[0], -1, fmt.block_bytes)
+        except ValueError as e:
+            raise self._failed(e) from None
         if self._rotary_heads:  # whole rows move: their blocks stay as they are
             blocks = unpermute_rotary(blocks, self._rotary_heads)
         if dim == 0:
@@ -196,8 +224,8 @@ def _cached_reader(path: str, size: int, mtime_ns: int):
         index = read_index(path)
     except ImportError:
         return _reader(path)  # which names the missing package
-    except (ValueError, struct.error, OSError) as e:
-        raise GGUFError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+    except (ValueError, OSError) as e:
+        raise _unreadable(path, e) from None
     return index if index is not None else _reader(path)
 
 
@@ -214,8 +242,8 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
     st = os.stat(path)
     reader = _cached_reader(os.path.realpath(path), st.st_size, st.st_mtime_ns)
     arch = architecture(reader, path)
-    heads = _field(reader, f"{arch}.attention.head_count")
-    kv_heads = _field(reader, f"{arch}.attention.head_count_kv") or heads
+    heads = _head_count(reader, path, f"{arch}.attention.head_count", None)
+    kv_heads = _head_count(reader, path, f"{arch}.attention.head_count_kv", heads)
     for tensor in reader.tensors:
         name = hf_name(tensor.name)
         rotary_heads = None
@@ -223,7 +251,20 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
             rotary_heads = heads
         elif ARCHITECTURES[arch] and name.endswith(("k_proj.weight", "k_proj.bias")):
             rotary_heads = kv_heads
-        yield name, GGUFTensor(name, tensor, rotary_heads)
+        yield name, GGUFTensor(name, tensor, rotary_heads, path)
+
+
+def _head_count(reader, path: str, key: str, default: int | None) -> int | None:
+    """A head count of the file: a positive integer (it reshapes q and k), else an error."""
+    value = _field(reader, key)
+    if value is None or value == 0:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+        raise GGUFError(
+            f"{path}: {key} is {value!r}, not a head count; the file is damaged: download or "
+            "convert it again"
+        )
+    return int(value)
 
 
 def gguf_file_in(model_dir: str) -> str | None:
@@ -257,7 +298,14 @@ def gguf_model_dir(path: str, cache_dir: str | None = None) -> str:
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")
     try:
-        _materialize(path, reader, tmp)
+        try:
+            _materialize(path, reader, tmp)
+        except (ImportError, OSError):
+            raise
+        except Exception as e:  # transformers' reading of damaged metadata: errors of all kinds
+            raise _unreadable(
+                path, e, "transformers cannot read its config or tokenizer: "
+            ) from None
         try:
             os.rename(tmp, target)
         except OSError:  # another process made it first: theirs is as good

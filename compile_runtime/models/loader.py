@@ -46,6 +46,29 @@ class WeightLoadingError(ValueError):
     """A checkpoint does not match the model: a missing, unexpected or misshapen tensor."""
 
 
+class ModelFileError(ValueError):
+    """A model directory's JSON file is not what it must be (the message names file and field)."""
+
+
+def read_json_object(path: str) -> dict:
+    """``path``'s JSON object; a damaged file (not JSON, not an object, nested past Python's
+    recursion limit) is one ``ModelFileError`` naming it, not a traceback from the parser."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError
+        problem = "nested too deeply" if isinstance(e, RecursionError) else f"not JSON ({e})"
+        raise ModelFileError(
+            f"{path}: {problem}; restore the file from the model's source"
+        ) from None
+    if not isinstance(value, dict):
+        raise ModelFileError(
+            f"{path}: holds a JSON {type(value).__name__}, not an object; restore the file "
+            "from the model's source"
+        )
+    return value
+
+
 class NativeUnsupported(NotImplementedError):
     """A native model cannot run this config exactly as transformers does (the reason says why).
 
@@ -66,9 +89,17 @@ class StackedParam:
 def safetensors_files(model_dir: str) -> list[str]:
     index = os.path.join(model_dir, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelFileError(f"{index}: no weight_map object; save the model again")
+        files = set(weight_map.values())
+        for name in files:  # file names beside the index: never a path out of the directory
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".."):
+                raise ModelFileError(
+                    f"{index}: weight_map names {name!r}, not a file in {model_dir}; save the "
+                    "model again"
+                )
+        return [os.path.join(model_dir, name) for name in sorted(files)]
     files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(

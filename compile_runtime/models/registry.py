@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,7 +22,12 @@ from compile_runtime.config import CompilationConfig, set_compilation_config
 from compile_runtime.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from compile_runtime.models.gguf import GGUFError, gguf_file_in
 from compile_runtime.models.llama import ARCHITECTURES, CausalLM
-from compile_runtime.models.loader import QUANTIZATIONS, NativeUnsupported
+from compile_runtime.models.loader import (
+    QUANTIZATIONS,
+    ModelFileError,
+    NativeUnsupported,
+    read_json_object,
+)
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
@@ -74,9 +80,72 @@ def skip_weight_init() -> Iterator[None]:
             setattr(nn.init, name, fn)
 
 
+# config.json's sizes of tensors: each a positive integer where the model has it.
+_SIZES = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+# The rotary table holds every position: past 16M (Llama 4 has 10M) it alone takes gigabytes.
+MAX_POSITIONS = 1 << 24
+_WEIGHT_FILES = (".safetensors", ".gguf", ".bin", ".pt")
+
+
 def read_hf_config(model_dir: str) -> Any:
-    """The model's config (config.json, as transformers reads it: a ``PretrainedConfig``)."""
-    return AutoConfig.from_pretrained(model_dir)
+    """The model's config (config.json, as transformers reads it: a ``PretrainedConfig``).
+
+    The file is untrusted: a damaged one, a field of the wrong type, or sizes that would
+    allocate more than the weights beside it can fill is one ``ModelFileError`` naming the
+    file and field, before any tensor is made."""
+    path = os.path.join(model_dir, "config.json")
+    if os.path.isfile(path):
+        read_json_object(path)
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+    except (ImportError, OSError):  # no config.json, no such model type installed
+        raise
+    except Exception as e:  # transformers' checks of the fields: errors of many kinds
+        detail = " ".join(str(e).split())[:300]
+        raise ModelFileError(
+            f"{path}: {detail} ({type(e).__name__}); fix the field or restore the file"
+        ) from None
+    _check_sizes(config, path, model_dir)
+    return config
+
+
+def _check_sizes(config: Any, path: str, model_dir: str) -> None:
+    for field in (*_SIZES, "max_position_embeddings"):
+        value = getattr(config, field, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ModelFileError(f"{path}: {field} is {value!r}, not a positive integer")
+        if value is not None and value < 1:
+            raise ModelFileError(f"{path}: {field} is {value}, not a positive integer")
+    positions = getattr(config, "max_position_embeddings", None) or 0
+    if positions > MAX_POSITIONS:
+        raise ModelFileError(
+            f"{path}: max_position_embeddings is {positions}, past the {MAX_POSITIONS} this "
+            "engine builds a rotary table for; set it to the length the model was trained to"
+        )
+    vocab, hidden, layers = (
+        getattr(config, f, None) or 0 for f in ("vocab_size", "hidden_size", "num_hidden_layers")
+    )
+    # A lower bound on the weights: the embedding, and one hidden x hidden map per layer.
+    least = vocab * hidden + layers * hidden * hidden
+    held = sum(
+        os.path.getsize(os.path.join(model_dir, f))
+        for f in os.listdir(model_dir)
+        if f.endswith(_WEIGHT_FILES)
+    )
+    if held and least > 8 * held:  # even at one bit a weight the files are too small
+        raise ModelFileError(
+            f"{path}: vocab_size={vocab}, hidden_size={hidden} and num_hidden_layers={layers} "
+            f"need at least {least} weights, more than the {held} bytes of weight files in "
+            f"{model_dir} hold; this config.json does not belong to these weights"
+        )
 
 
 def resolve_quantization(
