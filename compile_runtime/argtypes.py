@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 
 def positive_int(text: str) -> int:
@@ -23,6 +24,19 @@ def non_negative_float(text: str) -> float:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} is negative")
     return value
+
+
+def string_list(text: str) -> list[str]:
+    """A JSON list of strings (as vLLM takes ``--allowed-origins``) or comma-separated ones."""
+    if text.lstrip().startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {e}") from None
+        if not all(isinstance(v, str) for v in values):
+            raise argparse.ArgumentTypeError(f"{text!r}: give a JSON list of strings")
+        return values
+    return [v.strip() for v in text.split(",") if v.strip()]
 
 
 def positive_int_list(text: str) -> tuple[int, ...]:

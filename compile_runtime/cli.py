@@ -15,9 +15,10 @@ import traceback
 from pydantic import ValidationError
 from safetensors import SafetensorError
 
-from compile_runtime.argtypes import float_in, int_at_least, positive_int
+from compile_runtime.argtypes import float_in, int_at_least, positive_int, string_list
 from compile_runtime.config import AttentionCGSupport, parse_config
 from compile_runtime.engine_arguments import add_engine_arguments, engine_from_args
+from compile_runtime.server.request_limits import RequestLimits
 from compile_runtime.server.tool_parsers import PARSERS
 from compile_runtime.version import __version__
 from compile_runtime.worker.startup import ModelRunnerError
@@ -186,6 +187,52 @@ def build_parser() -> argparse.ArgumentParser:
         "--disable-access-log",
         action="store_true",
         help="no INFO line per request (method, path, status, tokens, seconds)",
+    )
+    serve.add_argument(
+        "--max-worker-restarts",
+        type=int_at_least(0),
+        default=3,
+        help="times the model's worker processes are started again after dying (the requests "
+        "on them fail with a 500); past that the server exits non-zero for a supervisor",
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float_in(0.0, float("inf")),
+        default=60.0,
+        help="seconds SIGTERM lets running requests finish (new ones get a 503) before the "
+        "rest are aborted",
+    )
+    serve.add_argument(
+        "--api-key",
+        action="append",
+        default=None,
+        help="clients must send 'Authorization: Bearer KEY' (repeat for several keys; "
+        "default: $VLLM_API_KEY or $COMPILE_RUNTIME_API_KEY, else no key)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        type=string_list,
+        default=[],
+        help='browser origins CORS lets in, as JSON (["https://a.example"]) or comma-separated; '
+        "default: none (CORS off)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=positive_int,
+        default=RequestLimits.max_body_bytes,
+        help="bigger request bodies get a 413",
+    )
+    serve.add_argument(
+        "--max-prompts-per-request",
+        type=positive_int,
+        default=RequestLimits.max_prompts,
+        help="prompts one /v1/completions call may send",
+    )
+    serve.add_argument(
+        "--max-choices-per-request",
+        type=positive_int,
+        default=RequestLimits.max_choices,
+        help="prompts x n one call may ask for",
     )
     serve.set_defaults(func=_serve)
 

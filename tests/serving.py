@@ -144,6 +144,30 @@ def serve_like_offline(model_dir: str, root: str, *flags: str) -> RunningServer:
     return server
 
 
+def wait_for(condition, timeout: float, what: str) -> None:
+    """Poll ``condition`` every 50 ms until it holds; fail naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {what} within {timeout} s")
+        time.sleep(0.05)
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The spawned worker processes of ``parent`` (not its resource tracker), whichever of
+    its threads started them (a restart runs on the engine's thread)."""
+    children = []
+    for task in os.listdir(f"/proc/{parent}/task"):
+        with open(f"/proc/{parent}/task/{task}/children") as f:
+            children += [int(pid) for pid in f.read().split()]
+    pids = []
+    for pid in children:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                pids.append(pid)
+    return pids
+
+
 class RunningServer:
     def __init__(self, model_dir: str, *extra: str):
         self.port = free_port()

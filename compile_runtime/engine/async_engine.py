@@ -9,7 +9,10 @@ Callers live on an asyncio loop: they ``submit`` a request and iterate its strea
 the iteration early (a client that went away) aborts the request, which frees its KV
 blocks at the next turn of the loop. Requests waiting for their first step are counted, and
 past ``max_waiting`` a new one is refused (``EngineOverloadedError``) instead of
-queueing without bound.
+queueing without bound. When the executor's workers die (mid-step, or found dead while
+idle), every request on them ends with an ``ErrorEvent`` naming the cause, new ones are
+refused (``EngineDeadError``) while ``WorkerRestarts`` starts the workers again, and the
+loop goes on; past the restart budget it stops for good and calls ``on_fatal``.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from dataclasses import dataclass
 
 from compile_runtime.core.request import Request
 from compile_runtime.engine.core import EngineCore, StepFailedError, StepOutput
+from compile_runtime.engine.worker_restarts import WorkerDeath, WorkerRestarts
+from compile_runtime.executor import ExecutorError
 
 logger = logging.getLogger(__name__)
 
@@ -81,8 +86,19 @@ FinishHook = Callable[[RequestStream, str], None]  # (stream, finish reason), on
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, *, max_waiting: int = 256):
+    def __init__(
+        self,
+        core: EngineCore,
+        *,
+        max_waiting: int = 256,
+        restarts: WorkerRestarts | None = None,
+        on_fatal: Callable[[], None] | None = None,
+    ):
+        """``restarts``: how dead workers are started again (None: never); ``on_fatal``:
+        called from the loop's thread once it stopped for good (the server exits)."""
         self.core = core
+        self.restarts = restarts or WorkerRestarts(None)
+        self.on_fatal = on_fatal
         self.max_waiting = max_waiting
         self.streams: dict[str, RequestStream] = {}  # engine thread only (after the inbox)
         self._inbox: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
@@ -143,11 +159,21 @@ class AsyncEngine:
             if not done:
                 self.abort(stream.request.req_id)
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
     def shutdown(self, timeout: float | None = None) -> None:
-        """Finish what is running (no new requests), then stop the loop."""
+        """Finish what is running (no new requests), then stop the loop; what still runs
+        after ``timeout`` seconds is aborted."""
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            logger.warning("still running after %s s: aborting the rest", timeout)
+            self._inbox.put(("abort_all", None))
+            self._wake.set()
+            self._thread.join()
 
     # ---- engine thread ------------------------------------------------------------------
 
@@ -168,19 +194,26 @@ class AsyncEngine:
                 self.streams[stream.request.req_id] = stream
                 self.core.add([stream.request])
                 continue
-            req_id, stop_string = item if kind == "stop" else (item, None)
-            stream = self.streams.pop(req_id, None)
-            if stream is None:  # finished already
+            if kind == "abort_all":
+                for req_id in list(self.streams):
+                    self._end(req_id, None)
                 continue
-            if stop_string is None:
-                self.core.abort([req_id])
-                event = FinishEvent("abort")
-            else:
-                self.core.stop({req_id: stop_string})
-                event = FinishEvent("stop", stop_string)
-            self._not_waiting(stream)
-            self._finished(stream, event.reason)
-            stream.push(event)
+            self._end(*(item if kind == "stop" else (item, None)))
+
+    def _end(self, req_id: str, stop_string: str | None) -> None:
+        """Abort a request, or stop it at ``stop_string``; a finished one is left alone."""
+        stream = self.streams.pop(req_id, None)
+        if stream is None:
+            return
+        if stop_string is None:
+            self.core.abort([req_id])
+            event = FinishEvent("abort")
+        else:
+            self.core.stop({req_id: stop_string})
+            event = FinishEvent("stop", stop_string)
+        self._not_waiting(stream)
+        self._finished(stream, event.reason)
+        stream.push(event)
 
     def _finished(self, stream: RequestStream, reason: str) -> None:
         for hook in self.finish_hooks:
@@ -188,13 +221,26 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
+            while not self._serve():
+                pass
+        except BaseException as e:  # a bug of ours: nothing can be served any more
+            self._fail_streams(f"the engine loop stopped: {type(e).__name__}: {e}")
+            logger.exception("engine loop stopped")
+            if self.on_fatal is not None:
+                self.on_fatal()
+
+    def _serve(self) -> bool:
+        """Run steps until shut down or past the restart budget (True), or until the
+        workers died and came back (False)."""
+        try:
             while True:
                 self._drain_inbox()
                 if not self.core.has_unfinished():
                     if self._stopping:
-                        return
+                        return True
                     self._wake.wait(0.5)
                     self._wake.clear()
+                    self.core.check_workers()
                     continue
                 try:
                     out = self.core.step()
@@ -207,12 +253,28 @@ class AsyncEngine:
                             stream.push(ErrorEvent(str(e)))
                     continue
                 self._deliver(out)
-        except BaseException as e:  # the executor is gone: nothing can be served any more
-            self._dead = f"the engine loop stopped: {type(e).__name__}: {e}"
-            logger.exception("engine loop stopped")
-            for stream in self.streams.values():
-                stream.push(ErrorEvent(self._dead))
-            self.streams.clear()
+        except ExecutorError as e:
+            death = WorkerDeath(str(e), len(self.streams))
+            restart = not self._stopping and self.restarts.can_restart
+            then = "the server restarts them" if restart else "they are not restarted"
+            self._fail_streams(f"the model's workers died ({e}); {then}")
+            logger.error("the model's workers died: %s", e)
+            self.restarts.deaths.append(death)
+            if restart and self.restarts.recover(death):
+                self._dead = None
+                return False
+            self._dead = f"the model's workers died and were not restarted: {e}"
+            if self.on_fatal is not None:
+                self.on_fatal()
+            return True
+
+    def _fail_streams(self, message: str) -> None:
+        """End every request with ``message``; new ones are refused until ``_dead`` clears."""
+        self._dead = message
+        for stream in self.streams.values():
+            self._not_waiting(stream)
+            stream.push(ErrorEvent(message))
+        self.streams.clear()
 
     def _deliver(self, out: StepOutput) -> None:
         """Hand the step's events to their streams: one wake-up of each caller loop per step,

@@ -80,30 +80,49 @@ class EngineCore:
     ):
         """``hf_config``: the model's config, which adapters are checked against (LoRA)."""
         sizes = config.runner_config
-        grammars = (
+        self._grammars = (
             StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)
             if tokenizer is not None and vocab_size
             else None
         )
-        self.executor = executor
         self.runner_config = sizes
         self.pipeline_depth = config.pipeline_parallel_size  # steps out at once
-        self.in_flight: deque[SchedulerOutput] = deque()
         self.eos_token_ids = eos_token_ids
+        self._vocab_size = vocab_size
+        self._start(executor)
+        self.adapters = AdapterChecker(sizes, hf_config) if sizes.enable_lora else None
+        self._ids = itertools.count()
+
+    def _start(self, executor: Executor) -> None:
+        sizes = self.runner_config
+        self.executor = executor
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.scheduler = Scheduler(
             num_blocks=executor.num_blocks,
             block_size=sizes.block_size,
             max_num_seqs=sizes.max_num_seqs,
             max_num_batched_tokens=sizes.max_num_batched_tokens,
             max_model_len=sizes.max_model_len,
-            vocab_size=vocab_size,
+            vocab_size=self._vocab_size,
             enable_prefix_caching=sizes.enable_prefix_caching,
-            structured_outputs=grammars,
+            structured_outputs=self._grammars,
             max_loras=sizes.max_loras if sizes.enable_lora else None,
             pipelined=self.pipeline_depth > 1,
         )
-        self.adapters = AdapterChecker(sizes, hf_config) if sizes.enable_lora else None
-        self._ids = itertools.count()
+
+    def reset(self, executor: Executor) -> None:
+        """Run on ``executor`` with nothing scheduled and an empty KV cache (a restart after
+        the old executor's workers died: their cache is gone, so no prefix may be reused);
+        the running totals of the prefix cache and speculative decoding carry over."""
+        old = self.scheduler
+        old.abort_requests(list(old.requests))  # frees their grammar states
+        self._start(executor)
+        self.scheduler.prefix_cache_stats = old.prefix_cache_stats
+        self.scheduler.spec_decode_stats = old.spec_decode_stats
+
+    def check_workers(self) -> None:
+        """``ExecutorError`` when a worker is gone (checked while idle, not only in a step)."""
+        self.executor.check_alive()
 
     def make_request(
         self,

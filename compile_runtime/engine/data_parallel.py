@@ -27,6 +27,7 @@ from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.core.scheduler_output import SchedulerOutput
 from compile_runtime.core.stats import PrefixCacheStats, SpecDecodeStats
 from compile_runtime.engine.core import EngineCore, StepFailedError, StepOutput
+from compile_runtime.executor import Executor
 from compile_runtime.lora.request import LoRARequest
 
 # How many more requests than the least loaded engine an engine may have and still be
@@ -222,6 +223,17 @@ class DataParallelCore:
             plan.dp_uniform_decode = uniform
             plan.dp_microbatch = split
         return plans
+
+    def reset(self, executors: list[Executor]) -> None:
+        """Each engine on its new executor (``EngineCore.reset``), no request left anywhere."""
+        for engine, executor in zip(self.engines, executors, strict=True):
+            engine.reset(executor)
+        self._owner.clear()
+        self._failure = None
+
+    def check_workers(self) -> None:
+        for engine in self.engines:
+            engine.check_workers()
 
     def _forget(self, req_ids: list[str]) -> None:
         for r in req_ids:

@@ -66,16 +66,8 @@ class LLM:
                     "distributed_executor_backend='uni' cannot (use 'mp' or 'ray')"
                 )
             distributed_executor_backend = distributed_executor_backend or "mp"
-        self.executors: list[Executor] = []
-        try:
-            for _ in range(dp_size):
-                self.executors.append(
-                    make_executor(self.config, hf_config, distributed_executor_backend)
-                )
-        except BaseException:
-            for executor in self.executors:
-                executor.shutdown()
-            raise
+        self._hf_config, self._backend = hf_config, distributed_executor_backend
+        self.executors: list[Executor] = self._start_executors()
         self.executor: Executor = self.executors[0]
         self.tokenizer = load_tokenizer(self.config.model_dir, hf_config)
         cores = [
@@ -138,6 +130,30 @@ class LLM:
     def save_workload(self, path: str) -> None:
         """Write the step-size histogram so far (for ``compile-runtime plan-sizes``)."""
         self.workload.save(path)
+
+    def _start_executors(self) -> list[Executor]:
+        """One executor per data-parallel engine, all started or none."""
+        executors: list[Executor] = []
+        try:
+            for _ in range(self.config.data_parallel_size):
+                executors.append(make_executor(self.config, self._hf_config, self._backend))
+        except BaseException:
+            for executor in executors:
+                executor.shutdown()
+            raise
+        return executors
+
+    def restart_workers(self) -> None:
+        """Stop every executor and start them again (a worker died): the compiled programs
+        load from the warm compile cache; every engine goes on with nothing scheduled."""
+        for executor in self.executors:
+            executor.shutdown()
+        self.executors = self._start_executors()
+        self.executor = self.executors[0]
+        if isinstance(self.core, DataParallelCore):
+            self.core.reset(self.executors)
+        else:
+            self.core.reset(self.executor)
 
     def shutdown(self) -> None:
         """Stop the executors' workers (nothing to do on one rank); safe to call twice."""

@@ -80,6 +80,11 @@ class Executor(abc.ABC):
     def shutdown(self) -> None:
         """Stop every worker; safe to call twice."""
 
+    def check_alive(self) -> None:
+        """Raise ``ExecutorError`` when a worker is gone; the engine asks while it idles, so a
+        death between requests is seen at once (the default: nothing to check)."""
+        return None
+
     @property
     def driver_runner(self) -> ModelRunner | None:
         """Rank 0's model runner when it lives in this process, else None."""

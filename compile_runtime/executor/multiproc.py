@@ -131,6 +131,13 @@ class MultiprocExecutor(Executor):
         results = self._wait(ranks, self.config.step_timeout_s, f"{method}()")
         return [results[r] for r in ranks]
 
+    def check_alive(self) -> None:
+        if self.closed:
+            raise ExecutorError("the executor is shut down (after a failure or shutdown())")
+        for rank, process in enumerate(self.processes):
+            if not process.is_alive():
+                raise self._fail(self._dead(rank))
+
     def shutdown(self) -> None:
         if self.closed:
             return

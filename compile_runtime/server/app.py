@@ -4,20 +4,25 @@ The routes of vLLM's OpenAI server that a client of it uses: ``/v1/completions``
 ``/v1/chat/completions`` (streamed as server-sent events ending with ``data: [DONE]``, or
 whole), ``/v1/responses`` (and ``GET /v1/responses/{id}``), ``/v1/models``, ``/tokenize``, ``/detokenize``, ``/health``, ``/ping``,
 ``/version`` and ``/metrics`` (Prometheus). A failure is an OpenAI-style error body and
-the server goes on; every request is one access-log line.
+the server goes on; every request is one access-log line. Around the routes: the API key
+check (``api_keys.py``), the body size bound (``request_limits.py``) and, only when
+origins are given, CORS.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 from compile_runtime.server import tokenization
 from compile_runtime.server.access_log import AccessLog
+from compile_runtime.server.api_keys import ApiKeyAuth
 from compile_runtime.server.chat_completions import chat as chat_completions
 from compile_runtime.server.completions import completions as text_completions
 from compile_runtime.server.errors import APIError, add_error_handlers
@@ -31,6 +36,7 @@ from compile_runtime.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from compile_runtime.server.request_limits import BodySizeLimit, RequestLimits
 from compile_runtime.server.responses import responses
 from compile_runtime.version import __version__
 
@@ -41,7 +47,15 @@ PERMISSION = {"object": "model_permission", "created": 0, "allow_create_engine":
               "group": None, "is_blocking": False}  # fmt: skip
 
 
-def build_app(server: Server) -> FastAPI:
+def build_app(
+    server: Server,
+    *,
+    api_keys: Sequence[str] = (),
+    allowed_origins: Sequence[str] = (),
+    limits: RequestLimits = RequestLimits(),
+) -> FastAPI:
+    """``api_keys``: none lets anyone in; ``allowed_origins``: none turns CORS off."""
+
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
         server.start()
@@ -51,6 +65,14 @@ def build_app(server: Server) -> FastAPI:
             await asyncio.to_thread(server.stop)  # running requests finish first
 
     app = FastAPI(title="compile_runtime", version=__version__, lifespan=lifespan)
+    if api_keys:
+        app.add_middleware(ApiKeyAuth, keys=api_keys)
+    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    if allowed_origins:  # outside the key check: a browser's preflight carries no key
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+            allow_headers=["*"],
+        )  # fmt: skip
     app.add_middleware(AccessLog)
     add_error_handlers(app)
 
@@ -59,6 +81,8 @@ def build_app(server: Server) -> FastAPI:
         engine = server.engine
         if engine is None or engine._dead is not None:
             return JSONResponse({"status": "dead"}, status_code=503)
+        if engine.stopping:
+            return JSONResponse({"status": "draining"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.api_route("/ping", methods=["GET", "POST"])
@@ -104,10 +128,12 @@ def build_app(server: Server) -> FastAPI:
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
+        limits.check(body)
         return await text_completions(server, body, request.state.tokens)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+        limits.check(body)
         return await chat_completions(server, body, request.state.tokens)
 
     @app.post("/v1/responses")

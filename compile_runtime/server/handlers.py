@@ -6,10 +6,12 @@ are ``completions.py`` and ``chat_completions.py``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
 from compile_runtime.engine.llm import LLM
+from compile_runtime.engine.worker_restarts import WorkerRestarts
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
@@ -32,14 +34,20 @@ class Server:
         tool_call_parser: str | None = None,
         lora_modules: list[tuple[str, str]] | None = None,
         runtime_lora_updating: bool = False,
+        max_worker_restarts: int = 3,
     ):
-        """``lora_modules``: (name, directory) of each adapter served from the start."""
+        """``lora_modules``: (name, directory) of each adapter served from the start;
+        ``max_worker_restarts``: how often dead workers are started again before the server
+        gives up (``failed``) and exits non-zero."""
         self.llm = llm
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
         self.model_path = model_path or model_name
         self.max_waiting = max_waiting
         self.engine: AsyncEngine | None = None
+        self.max_worker_restarts = max_worker_restarts
+        self.failed = False  # the engine stopped for good: the process must exit non-zero
+        self.on_failed: Callable[[], None] | None = None  # from the engine's thread
         self.metrics: ServerMetrics | None = None
         self.created = int(time.time())
         self.adapters = ServedAdapters(model_name, llm.core, runtime_lora_updating)
@@ -55,8 +63,16 @@ class Server:
         return self.llm.runner_config.max_model_len
 
     def start(self) -> None:
-        self.engine = AsyncEngine(self.llm.core, max_waiting=self.max_waiting)
+        restarts = WorkerRestarts(self.llm.restart_workers, self.max_worker_restarts)
+        self.engine = AsyncEngine(
+            self.llm.core, max_waiting=self.max_waiting, restarts=restarts, on_fatal=self._fatal
+        )
         self.metrics = ServerMetrics(self.engine)
+
+    def _fatal(self) -> None:
+        self.failed = True
+        if self.on_failed is not None:
+            self.on_failed()
 
     def stop(self) -> None:
         if self.engine is not None:

@@ -9,9 +9,8 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from compile_runtime.core.scheduler import Scheduler
 from compile_runtime.engine.async_engine import AsyncEngine, RequestStream
 from compile_runtime.engine.core import StepOutput
 from compile_runtime.engine.data_parallel import summed
@@ -77,9 +76,9 @@ class ServerMetrics:
             ["engine"],
             registry=r,
         )
-        schedulers = engine.core.schedulers
-        r.register(SchedulerTotals(schedulers))
-        self.kv_blocks_total.set(sum(s.block_pool.num_usable for s in schedulers))
+        r.register(SchedulerTotals(engine))
+        r.register(WorkerDeaths(engine))
+        self.refresh(engine)
         engine.step_hooks.append(self.on_step)
         engine.token_hooks.append(self.on_token)
         engine.finish_hooks.append(self.on_finish)
@@ -105,7 +104,8 @@ class ServerMetrics:
     def refresh(self, engine: AsyncEngine) -> None:
         """Values that change between steps too (an abort frees blocks with no step after)."""
         self.waiting.set(engine.num_waiting)
-        schedulers = engine.core.schedulers
+        schedulers = engine.core.schedulers  # new ones after a restart of the workers
+        self.kv_blocks_total.set(sum(s.block_pool.num_usable for s in schedulers))
         self.kv_blocks.set(engine.core.num_blocks_in_use)
         self.running.set(sum(len(s.running) for s in schedulers))
         for i, s in enumerate(schedulers):
@@ -120,12 +120,13 @@ class ServerMetrics:
 class SchedulerTotals:
     """Counters the scheduler already keeps as running totals, read at scrape time."""
 
-    def __init__(self, schedulers: list[Scheduler]):
-        self.schedulers = schedulers
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
 
     def collect(self):
-        cache = summed([s.prefix_cache_stats for s in self.schedulers])
-        spec = summed([s.spec_decode_stats for s in self.schedulers])
+        schedulers = self.engine.core.schedulers
+        cache = summed([s.prefix_cache_stats for s in schedulers])
+        spec = summed([s.spec_decode_stats for s in schedulers])
         for name, doc, value in (
             ("prefix_cache_queries", "Prompt tokens looked up in the prefix cache", cache.queries),
             (
@@ -145,3 +146,37 @@ class SchedulerTotals:
             ),
         ):
             yield CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class WorkerDeaths:
+    """Deaths of the model's workers, the restarts after them and the requests each failed,
+    read at scrape time from the engine's ``WorkerRestarts``."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.restarts = engine.restarts
+
+    def collect(self):
+        deaths = self.restarts.deaths
+        yield CounterMetricFamily(
+            f"{PREFIX}_worker_deaths", "Deaths of the model's worker processes", len(deaths)
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_worker_restarts",
+            "Restarts of the workers that served again",
+            self.restarts.restarted,
+        )
+        failed = CounterMetricFamily(
+            f"{PREFIX}_requests_failed_by_worker_death",
+            "Requests that ended in an error because the workers died, by death (1, 2, ...)",
+            labels=["death"],
+        )
+        for i, death in enumerate(deaths, 1):
+            failed.add_metric([str(i)], death.failed_requests)
+        yield failed
+        seconds = [d.restart_seconds for d in deaths if d.restart_seconds is not None]
+        if seconds:
+            yield GaugeMetricFamily(
+                f"{PREFIX}_last_worker_restart_seconds",
+                "From the last death to serving again",
+                seconds[-1],
+            )

@@ -1,4 +1,5 @@
-"""Run the server: uvicorn on the app, SIGTERM drains running requests, then exits."""
+"""Run the server: uvicorn on the app until SIGTERM has drained it (``drain.py``, exit 0)
+or the engine stopped for good (its workers died past ``--max-worker-restarts``, exit 1)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,11 @@ logger = logging.getLogger(__name__)
 def serve(args: argparse.Namespace, llm: LLM) -> int:
     import uvicorn
 
+    from compile_runtime.server.api_keys import api_keys
     from compile_runtime.server.app import build_app
+    from compile_runtime.server.drain import DrainingServer
     from compile_runtime.server.handlers import Server
+    from compile_runtime.server.request_limits import RequestLimits
 
     server = Server(
         llm,
@@ -25,21 +29,28 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
         lora_modules=[parse_lora_module(m) for m in args.lora_modules or []],
         runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env(),
+        max_worker_restarts=args.max_worker_restarts,
     )
     if not args.disable_access_log:  # one INFO line per request (access_log.py)
         logging.getLogger("compile_runtime.server.access").setLevel(logging.INFO)
-    app = build_app(server)
+    limits = RequestLimits(
+        max_body_bytes=args.max_request_body_bytes,
+        max_prompts=args.max_prompts_per_request,
+        max_choices=args.max_choices_per_request,
+    )
+    keys = api_keys(args.api_key)
+    app = build_app(server, api_keys=keys, allowed_origins=args.allowed_origins, limits=limits)
+    # After the drain nothing runs; this bounds waiting on clients that keep connections open.
     config = uvicorn.Config(
-        app,
-        host=args.host,
-        port=args.port,
-        log_level="warning",
-        timeout_graceful_shutdown=None,  # SIGTERM: stop accepting, let running requests finish
+        app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10
     )
     print(
         f"# {llm.startup.summary()}\n# serving {server.model_name!r} on "
-        f"http://{args.host}:{args.port}/v1",
+        f"http://{args.host}:{args.port}/v1{' (API key required)' if keys else ''}",
         flush=True,
     )
-    uvicorn.Server(config).run()
+    DrainingServer(config, server, args.shutdown_timeout).run()
+    if server.failed:
+        logger.error("exiting: %s", server.engine._dead if server.engine else "no engine")
+        return 1
     return 0

@@ -165,6 +165,7 @@ def worker_main(
 ) -> None:
     """Entry point of one ``MultiprocExecutor`` worker process."""
     _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the driver stops us
     if os.getppid() != parent_pid:  # the driver died before we set the signal
         return
     os.environ.update(config.worker_env)
