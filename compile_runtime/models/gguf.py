@@ -245,7 +245,10 @@ def gguf_tensors(path: str) -> Iterator[tuple[str, GGUFTensor]]:
     heads = _head_count(reader, path, f"{arch}.attention.head_count", None)
     kv_heads = _head_count(reader, path, f"{arch}.attention.head_count_kv", heads)
     for tensor in reader.tensors:
-        name = hf_name(tensor.name)
+        try:
+            name = hf_name(tensor.name)
+        except GGUFError as e:  # which file holds it
+            raise GGUFError(f"{path}: {e}") from None
         rotary_heads = None
         if ARCHITECTURES[arch] and name.endswith(("q_proj.weight", "q_proj.bias")):
             rotary_heads = heads

@@ -29,8 +29,8 @@ def load_tokenizer(model_dir: str, hf_config):
     except Exception as e:  # a damaged file's fields: errors of every kind from the parsers
         detail = " ".join(str(e).split())[:300]
         raise ModelFileError(
-            f"{model_dir}: its tokenizer files ({', '.join(_TOKENIZER_FILES)}) cannot be read: "
-            f"{detail} ({type(e).__name__}); restore them from the model's source"
+            f"the tokenizer in {' and '.join(p for p in files if os.path.isfile(p))} cannot be "
+            f"read: {detail} ({type(e).__name__}); restore the files from the model's source"
         ) from None
 
 
