@@ -3,9 +3,12 @@ for vLLM's OpenAI server.
 
 In the order a request goes through it:
 
-* ``run.py``: ``serve``, uvicorn on the app; SIGTERM lets running requests finish.
+* ``run.py``: ``serve``, uvicorn on the app; ``drain.py``: SIGTERM lets running requests
+  finish (new ones get a 503), then exits 0.
 * ``app.py``: the FastAPI app, its routes and lifespan.
 * ``access_log.py``: one INFO line per request (status, tokens, seconds).
+* ``api_keys.py``: ``--api-key``, a 401 without it; ``request_limits.py``: bounds on the
+  body's size and on the prompts and choices of one request.
 * ``protocol.py``: the request bodies (pydantic), OpenAI's fields and vLLM's extras.
 * ``unsupported.py``: fields outside them: a 400 naming one the engine cannot honour, else
   one warning naming the unknown ones.
