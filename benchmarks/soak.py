@@ -43,6 +43,8 @@ import sys
 import time
 import urllib.request
 
+from decode_replay import cpu_name
+
 from compile_runtime.models.smollm2 import smollm2_gguf
 from compile_runtime.table import format_table
 
@@ -68,11 +70,6 @@ STRUCTURED = [
 KEYS = ("rss_mib", "shmem_mib", "fds", "threads")
 PANELS = [("rss_mib", "RSS (MiB; dashed: its shared part)"), ("kv", "KV blocks in use"),
           ("fds", "open fds"), ("threads", "threads")]  # fmt: skip
-
-
-def cpu_name() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
 
 
 def process_tree(pid: int) -> list[int]:
