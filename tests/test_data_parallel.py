@@ -137,7 +137,10 @@ def test_lockstep_engines_agree_once_a_step(model_dirs, reference):
         assert off.core.num_coordinations == 0
 
 
-def test_an_engine_whose_worker_dies_is_an_error_naming_the_rank(model_dirs):
+def test_an_engine_whose_worker_dies_is_an_error_then_restarted(model_dirs, reference):
+    """The death is an error naming the rank; ``restart_workers`` starts every engine's
+    workers again with empty KV caches (no prefix of the dead cache is reused) and the
+    tokens are the single engine's."""
     import os
     import signal
 
@@ -145,8 +148,19 @@ def test_an_engine_whose_worker_dies_is_an_error_naming_the_rank(model_dirs):
 
     llm = cr.LLM(model_dirs("llama"), {"backend": "eager"}, data_parallel_size=2, **SIZES)
     try:
+        _tokens(llm)  # both prefix caches hold blocks
         os.kill(llm.executors[1].pids[0], signal.SIGKILL)
         with pytest.raises(ExecutorError, match="rank 0"):
             _tokens(llm)  # both engines get requests; the second one's worker is gone
+        old_pids = [p for e in llm.executors for p in e.pids]
+        hits = llm.prefix_cache_stats.hits
+        assert hits > 0
+        llm.restart_workers()
+        assert not set(old_pids) & {p for e in llm.executors for p in e.pids}
+        assert all(s.block_pool.num_free == s.block_pool.num_usable for s in llm.core.schedulers)
+        assert llm.prefix_cache_stats.hits == hits  # the running total carries over
+        assert _tokens(llm) == reference
+        assert llm.prefix_cache_stats.hits == hits  # nothing found in the new, empty caches
+        assert not llm.core.has_unfinished() and llm.core.num_blocks_in_use == 0
     finally:
         llm.shutdown()

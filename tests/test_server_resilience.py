@@ -16,7 +16,31 @@ import urllib.request
 import pytest
 from serving import RunningServer, get, wait_for, worker_pids
 
+from compile_runtime.engine import worker_restarts
+from compile_runtime.engine.worker_restarts import WorkerDeath, WorkerRestarts
+
 PROMPTS = [f"request number {i} says" for i in range(8)]
+
+
+def test_restarts_retry_with_a_doubling_wait_within_the_budget(monkeypatch):
+    waits: list[float] = []
+    monkeypatch.setattr(worker_restarts.time, "sleep", waits.append)
+    outcomes = iter([OSError("port in use"), OSError("port in use"), None, None])
+
+    def restart() -> None:
+        if (error := next(outcomes)) is not None:
+            raise error
+
+    restarts = WorkerRestarts(restart, max_restarts=4, backoff_s=0.5)
+    first, second, third = (WorkerDeath(f"rank 0 died ({i})", i) for i in range(3))
+    assert restarts.recover(first) and restarts.attempts == 3 and waits == [0.5, 1.0]
+    assert first.restart_seconds is not None
+    assert restarts.recover(second) and restarts.attempts == 4 and not restarts.can_restart
+    assert not restarts.recover(third) and third.restart_seconds is None
+    assert restarts.restarted == 0  # ``deaths`` is the engine's to record
+    restarts.deaths += [first, second, third]
+    assert restarts.restarted == 2
+    assert not WorkerRestarts(None).recover(first)  # nothing to restart: never
 
 
 def complete_all(server: RunningServer, max_tokens: int = 12) -> list[str]:

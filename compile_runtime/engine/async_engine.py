@@ -163,6 +163,11 @@ class AsyncEngine:
     def stopping(self) -> bool:
         return self._stopping
 
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no request is taken now (the workers died, or restart), None while serving."""
+        return self._dead
+
     def shutdown(self, timeout: float | None = None) -> None:
         """Finish what is running (no new requests), then stop the loop; what still runs
         after ``timeout`` seconds is aborted."""

@@ -79,7 +79,7 @@ def build_app(
     @app.get("/health")
     async def health() -> Response:
         engine = server.engine
-        if engine is None or engine._dead is not None:
+        if engine is None or engine.dead_reason is not None:
             return JSONResponse({"status": "dead"}, status_code=503)
         if engine.stopping:
             return JSONResponse({"status": "draining"}, status_code=503)

@@ -51,6 +51,6 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
     )
     DrainingServer(config, server, args.shutdown_timeout).run()
     if server.failed:
-        logger.error("exiting: %s", server.engine._dead if server.engine else "no engine")
+        logger.error("exiting: %s", server.engine.dead_reason if server.engine else "no engine")
         return 1
     return 0
