@@ -39,6 +39,11 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         max_choices=args.max_choices_per_request,
     )
     keys = api_keys(args.api_key)
+    if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):
+        logger.warning(
+            "serving on %s without --api-key: anyone who reaches port %d can use the model",
+            args.host, args.port,
+        )  # fmt: skip
     app = build_app(server, api_keys=keys, allowed_origins=args.allowed_origins, limits=limits)
     # After the drain nothing runs; this bounds waiting on clients that keep connections open.
     config = uvicorn.Config(
