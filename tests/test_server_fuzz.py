@@ -83,6 +83,31 @@ CHAT = {
     "tool_choice": st.sampled_from(["auto", "none", "required"]) | ANY_JSON,
 }
 
+ITEM = st.one_of(
+    MESSAGE.map(lambda m: {"type": "message", **m}),
+    st.fixed_dictionaries({"type": st.just("function_call")},
+                          optional={"call_id": ANY_JSON, "name": ANY_JSON, "arguments": ANY_JSON}),
+    st.fixed_dictionaries({"type": st.just("function_call_output")},
+                          optional={"call_id": ANY_JSON, "output": ANY_JSON}),
+    st.dictionaries(st.sampled_from(["type", "role", "content", "text"]), ANY_JSON, max_size=3),
+)  # fmt: skip
+RESPONSES = {
+    "input": st.text(max_size=20) | st.lists(ITEM, min_size=1, max_size=3) | ANY_JSON,
+    "instructions": st.text(max_size=10) | ANY_JSON,
+    "max_output_tokens": st.integers(1, 6) | NUMBERS,
+    "temperature": st.sampled_from([0, 0.7]) | NUMBERS,
+    "top_p": NUMBERS,
+    "top_logprobs": NUMBERS,
+    "tools": ANY_JSON,
+    "tool_choice": st.sampled_from(["auto", "none", "required"]) | ANY_JSON,
+    "text": st.sampled_from([{"format": {"type": "json_object"}}]) | ANY_JSON,
+    "previous_response_id": ANY_JSON,
+    "store": st.booleans() | ANY_JSON,
+    "stream": st.booleans() | ANY_JSON,
+    "truncation": ANY_JSON,
+    "background": ANY_JSON,
+}
+
 
 def bodies(fields: dict, required: str) -> st.SearchStrategy[dict]:
     """A body with the required field and any subset of the others."""
@@ -155,6 +180,14 @@ def test_completion_bodies_get_a_2xx_or_a_4xx_naming_the_field(server, body):
                "logprobs": True})  # fmt: skip
 def test_chat_bodies_get_a_2xx_or_a_4xx_naming_the_field(server, body):
     check_answer(*send(server, "/v1/chat/completions", {"model": server.model, **body}), body)
+
+
+@FUZZ
+@given(body=bodies(RESPONSES, "input"))
+@example(body={"input": [{"type": "message", "role": "user", "content": 5}]})
+@example(body={"input": [{"type": "function_call", "name": ["f"]}]})
+def test_responses_bodies_get_a_2xx_or_a_4xx_naming_the_field(server, body):
+    check_answer(*send(server, "/v1/responses", {"model": server.model, **body}), body)
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

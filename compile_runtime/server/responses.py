@@ -25,14 +25,24 @@ from compile_runtime.server.response_items import ResponseShell, output_items, r
 def _text_of(content: Any, index: int) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise APIError(400, f"input[{index}].content: give a string or a list of text parts",
+                       "input")  # fmt: skip
     texts = []
-    for part in content or []:
-        kind = part.get("type")
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
         if kind not in ("input_text", "output_text", "text"):
             raise APIError(400, f"input[{index}]: content of type {kind!r} is not supported "
                            "(text parts only)", "input")  # fmt: skip
-        texts.append(part.get("text", ""))
+        texts.append(_string(part, "text", index))
     return "".join(texts)
+
+
+def _string(item: dict, field: str, index: int) -> str:
+    value = item.get(field)
+    if not isinstance(value, str):
+        raise APIError(400, f"input[{index}].{field}: give a string (got {value!r:.40})", "input")
+    return value
 
 
 def input_messages(items: str | list[dict]) -> list[dict]:
@@ -49,8 +59,9 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 raise APIError(400, f"input[{i}].role: {role!r} is not a message role", "input")
             messages.append({"role": role, "content": _text_of(item.get("content"), i)})
         elif kind == "function_call":
-            call = {"id": item.get("call_id"), "type": "function",
-                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}  # fmt: skip
+            call = {"id": _string(item, "call_id", i), "type": "function",
+                    "function": {"name": _string(item, "name", i),
+                                 "arguments": _string(item, "arguments", i)}}  # fmt: skip
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and "tool_calls" in last:
                 last["tool_calls"].append(call)
@@ -58,7 +69,7 @@ def input_messages(items: str | list[dict]) -> list[dict]:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+            messages.append({"role": "tool", "tool_call_id": _string(item, "call_id", i),
                              "content": output if isinstance(output, str) else _text_of(output, i)})  # fmt: skip
         elif kind != "reasoning":
             raise APIError(400, f"input[{i}]: items of type {kind!r} are not supported", "input")
