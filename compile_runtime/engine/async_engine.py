@@ -243,7 +243,7 @@ class AsyncEngine:
                 if not self.core.has_unfinished():
                     if self._stopping:
                         return True
-                    self._wake.wait(0.5)
+                    self._wake.wait(0.1)  # and a worker death is seen within 0.1 s
                     self._wake.clear()
                     self.core.check_workers()
                     continue
