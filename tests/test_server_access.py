@@ -7,12 +7,13 @@ from __future__ import annotations
 import http.client
 import json
 
-import openai
 import pytest
 from serving import RunningServer, get
 from serving import http as http_call
 
 from compile_runtime.server.api_keys import ApiKeyAuth, api_keys
+
+openai = pytest.importorskip("openai")  # serving.py skips this module without it first
 
 KEYS = ("first-key", "second-key")
 ORIGIN = "https://app.example"
