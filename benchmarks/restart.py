@@ -82,6 +82,11 @@ def cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
+
+
 def start(side: str) -> tuple[subprocess.Popen, int, str]:
     port = served.free_port()
     cmd, env = served.server_command(side, "fp32", port)
@@ -122,12 +127,13 @@ def ours(repeats: int) -> list[dict]:
 
 def vllm() -> list[dict]:
     proc, port, log_path = start("vllm")  # the first start fills vLLM's caches
-    engine = [p for p in process_tree(proc.pid)[1:] if "EngineCore" in cmdline(p) or "engine" in
-              cmdline(p).lower()]  # fmt: skip
-    os.kill(engine[0] if engine else process_tree(proc.pid)[1:][0], signal.SIGKILL)
+    children = [p for p in process_tree(proc.pid)[1:] if "resource_tracker" not in cmdline(p)]
+    # vLLM names its engine process (setproctitle "VLLM::EngineCore"); else the biggest child.
+    named = [p for p in children if "EngineCore" in cmdline(p)]
+    os.kill(named[0] if named else max(children, key=rss_kib), signal.SIGKILL)
     killed = time.perf_counter()
     try:
-        proc.wait(300)
+        proc.wait(120)
         exited = time.perf_counter() - killed
     except subprocess.TimeoutExpired:
         exited = None
