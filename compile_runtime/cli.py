@@ -193,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int_at_least(0),
         default=3,
         help="times the model's worker processes are started again after dying (the requests "
-        "on them fail with a 500); past that the server exits non-zero for a supervisor",
+        "on them fail with a 500), in standby processes kept imported for it (one per rank, "
+        "idle); past that the server exits non-zero for a supervisor; 0 keeps no standby",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -28,6 +28,9 @@ pytest.importorskip("uvicorn")
 pytest.importorskip("prometheus_client")
 import openai
 
+from compile_runtime.executor.standby import STANDBY_PROCESS_NAME  # noqa: F401 (for callers)
+from compile_runtime.worker.worker import WORKER_PROCESS_PREFIX
+
 CONFIG = '{"backend": "eager"}'
 MAX_MODEL_LEN = 128
 CHAT_TEMPLATE = (
@@ -153,17 +156,18 @@ def wait_for(condition, timeout: float, what: str) -> None:
         time.sleep(0.05)
 
 
-def worker_pids(parent: int) -> list[int]:
-    """The spawned worker processes of ``parent`` (not its resource tracker), whichever of
-    its threads started them (a restart runs on the engine's thread)."""
+def worker_pids(parent: int, name_prefix: str = WORKER_PROCESS_PREFIX) -> list[int]:
+    """The model's worker processes under ``parent`` (not its resource tracker nor its
+    standby processes: ``name_prefix=STANDBY_PROCESS_NAME`` gives those), whichever of its
+    threads started them (a restart runs on the engine's thread)."""
     children = []
     for task in os.listdir(f"/proc/{parent}/task"):
         with open(f"/proc/{parent}/task/{task}/children") as f:
             children += [int(pid) for pid in f.read().split()]
     pids = []
     for pid in children:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
+        with open(f"/proc/{pid}/comm") as f:
+            if f.read().strip().startswith(name_prefix):
                 pids.append(pid)
     return pids
 

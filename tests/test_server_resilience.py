@@ -14,7 +14,7 @@ import time
 import urllib.request
 
 import pytest
-from serving import RunningServer, get, wait_for, worker_pids
+from serving import STANDBY_PROCESS_NAME, RunningServer, get, wait_for, worker_pids
 
 from compile_runtime.engine import worker_restarts
 from compile_runtime.engine.worker_restarts import WorkerDeath, WorkerRestarts
@@ -113,6 +113,9 @@ def test_worker_killed_mid_stream_fails_its_requests_and_comes_back(model_dirs):
         )  # fmt: skip
         time.sleep(0.2)  # the whole request is queued: the batch is full
         (pid,) = worker_pids(server.proc.pid)
+        standby = lambda: worker_pids(server.proc.pid, STANDBY_PROCESS_NAME)  # noqa: E731
+        wait_for(lambda: len(standby()) == 1, 60, "a standby process")
+        (spare,) = standby()
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: get(server.url + "/health")[0] == 503, 2, "/health 503 at once")
@@ -126,7 +129,8 @@ def test_worker_killed_mid_stream_fails_its_requests_and_comes_back(model_dirs):
         assert status == 500 and "rank 0 died" in body["error"]["message"]
 
         wait_for(lambda: get(server.url + "/health")[0] == 200, 120, "/health 200 again")
-        assert len(worker_pids(server.proc.pid)) == 1
+        assert worker_pids(server.proc.pid) == [spare]  # the restart took the standby
+        wait_for(lambda: len(standby()) == 1, 60, "a new standby process")
         assert complete_all(server) == before  # the same greedy tokens as before the fault
         assert server.metric("compile_runtime_worker_deaths_total") == 1
         assert server.metric("compile_runtime_worker_restarts_total") == 1

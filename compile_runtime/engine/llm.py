@@ -32,7 +32,7 @@ from compile_runtime.engine.data_parallel import DataParallelCore
 from compile_runtime.engine.engine_config import decide_engine_config
 from compile_runtime.engine.offline_call import OfflineCall
 from compile_runtime.engine.outputs import GenerateStats, RequestOutput
-from compile_runtime.executor import Executor, make_executor
+from compile_runtime.executor import Executor, MultiprocExecutor, StandbyWorkers, make_executor
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
 from compile_runtime.worker.model_runner import ModelRunner
@@ -67,6 +67,7 @@ class LLM:
                 )
             distributed_executor_backend = distributed_executor_backend or "mp"
         self._hf_config, self._backend = hf_config, distributed_executor_backend
+        self._standby: StandbyWorkers | None = None  # keep_standby_workers()
         self.executors: list[Executor] = self._start_executors()
         self.executor: Executor = self.executors[0]
         self.tokenizer = load_tokenizer(self.config.model_dir, hf_config)
@@ -136,12 +137,24 @@ class LLM:
         executors: list[Executor] = []
         try:
             for _ in range(self.config.data_parallel_size):
-                executors.append(make_executor(self.config, self._hf_config, self._backend))
+                executors.append(
+                    make_executor(self.config, self._hf_config, self._backend, self._standby)
+                )
         except BaseException:
             for executor in executors:
                 executor.shutdown()
             raise
         return executors
+
+    def keep_standby_workers(self) -> None:
+        """From now on keep one spawned, imported process per rank waiting, so that
+        ``restart_workers`` skips seconds of imports (a server that restarts dead workers).
+        Nothing to do where the model runs in this process or in Ray actors."""
+        if self._standby is None and all(isinstance(e, MultiprocExecutor) for e in self.executors):
+            self._standby = StandbyWorkers(
+                sum(e.world_size for e in self.executors), self._hf_config
+            )
+            self._standby.fill()
 
     def restart_workers(self) -> None:
         """Stop every executor and start them again (a worker died): the compiled programs
@@ -154,9 +167,14 @@ class LLM:
             self.core.reset(self.executors)
         else:
             self.core.reset(self.executor)
+        if self._standby is not None:
+            self._standby.fill()  # for the next restart
 
     def shutdown(self) -> None:
-        """Stop the executors' workers (nothing to do on one rank); safe to call twice."""
+        """Stop the executors' workers (nothing to do on one rank) and any standby
+        processes; safe to call twice."""
+        if self._standby is not None:
+            self._standby.close()
         for executor in self.executors:
             executor.shutdown()
         if isinstance(self.core, DataParallelCore):

@@ -4,6 +4,7 @@
 engine's (frozen, already decided) configuration once, before any worker starts, then starts
 the executor the backend names: ``uniproc`` (the runner in this process), ``multiproc`` (one
 worker process per rank on this machine) or ``ray_executor`` (workers as Ray actors).
+``standby.py`` keeps worker processes spawned and imported ahead, for a quick restart.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from compile_runtime.distributed.sharding import TensorParallelConfigError, chec
 from compile_runtime.executor.base import Executor, ExecutorError, WorkerDiedError, WorkerInfo
 from compile_runtime.executor.multiproc import MultiprocExecutor
 from compile_runtime.executor.ray_executor import RayExecutor, import_ray
+from compile_runtime.executor.standby import StandbyWorkers
 from compile_runtime.executor.uniproc import UniProcExecutor
 from compile_runtime.models.llama import ARCHITECTURES
 
@@ -72,15 +74,23 @@ def check_model_for_parallelism(config: EngineConfig, hf_config: Any) -> None:
         )
 
 
-def make_executor(config: EngineConfig, hf_config: Any, backend: str | None = None) -> Executor:
+def make_executor(
+    config: EngineConfig,
+    hf_config: Any,
+    backend: str | None = None,
+    standby: StandbyWorkers | None = None,
+) -> Executor:
     """Check the configuration, then start the executor (and through it every worker).
 
     ``hf_config``: the model's config as the engine read it (models/registry.py), handed to
-    every worker so none reads it again."""
+    every worker so none reads it again; ``standby``: processes for the ranks of a
+    ``MultiprocExecutor`` (other executors ignore it)."""
     cls = executor_class(backend, config.world_size)
     if cls.local_ranks:
         check_device_available(config)
     check_model(config, hf_config)
+    if cls is MultiprocExecutor:
+        return cls(config, hf_config, standby)
     return cls(config, hf_config)
 
 
@@ -108,6 +118,8 @@ __all__ = [
     "BACKENDS",
     "Executor",
     "ExecutorError",
+    "MultiprocExecutor",
+    "StandbyWorkers",
     "WorkerDiedError",
     "WorkerInfo",
     "executor_class",

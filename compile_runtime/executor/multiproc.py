@@ -13,7 +13,8 @@ seen at once: the executor raises ``WorkerDiedError`` naming the rank and
 the cause, and terminates the other workers, which may be blocked in a
 collective waiting for the dead one. A worker that stays silent longer than
 ``step_timeout_s`` is treated the same way. Workers also die with the driver
-(``PR_SET_PDEATHSIG`` on Linux, daemon processes elsewhere).
+(``PR_SET_PDEATHSIG`` on Linux, daemon processes elsewhere). A restart runs the ranks
+in standby processes (``standby.py``) where it has them, skipping the imports.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from compile_runtime.executor.base import (
     ExecutorError,
     WorkerDiedError,
 )
+from compile_runtime.executor.standby import StandbyWorkers
 from compile_runtime.worker.worker import worker_main
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,9 @@ def death_cause(process: multiprocessing.Process) -> str:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, hf_config: Any):
+    def __init__(self, config: EngineConfig, hf_config: Any, standby: StandbyWorkers | None = None):
+        """``standby``: processes spawned ahead, done importing, to run the ranks in (a
+        restart); ranks it has none for are spawned here."""
         self.config = config
         self.closed = False
         world = config.world_size
@@ -90,19 +94,27 @@ class MultiprocExecutor(Executor):
         self.processes: list[multiprocessing.Process] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns, False)
+        ready = standby.take(world) if standby is not None else []
         for rank in range(world):
-            parent_end, child_end = ctx.Pipe(duplex=True)
-            process = ctx.Process(
-                target=worker_main,
-                args=(config, hf_config, rank, world, init_method, child_end, os.getpid()),
-                name=f"compile_runtime-rank{rank}",
-                daemon=True,
-            )
-            process.start()
-            child_end.close()
+            worker_args = (config, hf_config, rank, world, init_method)
+            if rank < len(ready):
+                ready[rank].start_worker(worker_args)
+                process, parent_end = ready[rank].process, ready[rank].conn
+            else:
+                parent_end, child_end = ctx.Pipe(duplex=True)
+                process = ctx.Process(
+                    target=worker_main,
+                    args=(*worker_args, child_end, os.getpid()),
+                    name=f"compile_runtime-rank{rank}",
+                    daemon=True,
+                )
+                process.start()
+                child_end.close()
             self.processes.append(process)
             self.conns.append(parent_end)
-        logger.info("started %d workers (%s)", world, init_method)
+        logger.info(
+            "started %d workers (%d of them standby processes; %s)", world, len(ready), init_method
+        )
         infos = self._wait(range(world), config.startup_timeout_s, "start-up")
         self.workers_info = [infos[r] for r in range(world)]
         self.num_steps = 0

@@ -63,6 +63,8 @@ class Server:
         return self.llm.runner_config.max_model_len
 
     def start(self) -> None:
+        if self.max_worker_restarts > 0:
+            self.llm.keep_standby_workers()
         restarts = WorkerRestarts(self.llm.restart_workers, self.max_worker_restarts)
         self.engine = AsyncEngine(
             self.llm.core, max_waiting=self.max_waiting, restarts=restarts, on_fatal=self._fatal

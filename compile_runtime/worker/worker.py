@@ -38,6 +38,8 @@ from compile_runtime.worker.startup import StartupTimes
 
 logger = logging.getLogger(__name__)
 
+WORKER_PROCESS_PREFIX = "cr-rank"  # /proc/PID/comm of rank N's process: cr-rankN
+
 
 def counter_snapshot() -> dict[str, int]:
     """This process's compilation counters (a worker reports what its start-up did)."""
@@ -141,17 +143,27 @@ def error_summary(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}"
 
 
-def _die_with_parent() -> None:
-    """Linux: the kernel kills this process when the driver dies, so no worker is orphaned."""
+def _prctl(option: int, arg: int | bytes) -> None:
+    """Linux's prctl(2), where there is one; elsewhere nothing."""
     if not sys.platform.startswith("linux"):
         return
     try:
         import ctypes
 
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, arg, 0, 0, 0)
     except OSError:
         pass
+
+
+def die_with_parent() -> None:
+    """Linux: the kernel kills this process when the driver dies, so no worker is orphaned."""
+    _prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+
+
+def name_process(name: str) -> None:
+    """Linux: ``name`` (15 bytes at most) as /proc/PID/comm, so that ``ps -o comm`` and
+    tools tell the workers and standby processes apart."""
+    _prctl(15, name.encode()[:15])  # PR_SET_NAME
 
 
 def worker_main(
@@ -164,10 +176,11 @@ def worker_main(
     parent_pid: int,
 ) -> None:
     """Entry point of one ``MultiprocExecutor`` worker process."""
-    _die_with_parent()
+    die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the driver stops us
     if os.getppid() != parent_pid:  # the driver died before we set the signal
         return
+    name_process(f"{WORKER_PROCESS_PREFIX}{rank}")
     os.environ.update(config.worker_env)
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
