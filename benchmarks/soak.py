@@ -11,7 +11,7 @@ stream closed after a few chunks, a whole response given up within a second). A 
 unanswered for 120 s counts as hung.
 
 Every ``--sample-s`` seconds: RSS (and its shared part), open fds and threads of the server
-and of each process under it (the model's worker), and KV blocks in use, requests running
+and of each process under it (the model's worker, the standby kept for a restart), and KV blocks in use, requests running
 and waiting from ``/metrics``; once more after the load and 5 s of quiet. Targets
 (``--check``: exit 1 on a FAIL): no request lost (a 200 must end every choice and
 ``data: [DONE]``), hung or broken off; no 5xx but 503; KV blocks back to 0; from the first
@@ -88,13 +88,13 @@ def process_tree(pid: int) -> list[int]:
 
 
 def process_name(pid: int, server_pid: int) -> str:
-    """server, worker-PID (the model's, ``spawn_main``), resource_tracker-PID, or COMM-PID."""
+    """server, resource_tracker-PID, or COMM-PID: cr-rank0-PID for the model's worker,
+    cr-standby-PID for the process kept for a restart."""
     if pid == server_pid:
         return "server"
     with open(f"/proc/{pid}/cmdline", "rb") as f, open(f"/proc/{pid}/comm") as g:
         cmdline, comm = f.read().decode(errors="replace"), g.read().strip()
-    kind = next((k for k in ("spawn_main", "resource_tracker") if k in cmdline), comm)
-    return f"{'worker' if kind == 'spawn_main' else kind}-{pid}"
+    return f"{'resource_tracker' if 'resource_tracker' in cmdline else comm}-{pid}"
 
 
 def process_stats(pid: int) -> dict:

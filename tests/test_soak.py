@@ -38,7 +38,9 @@ def test_a_minute_of_saturating_traffic_leaves_nothing_behind(model_dirs, tmp_pa
     assert totals["4xx"] == totals["5xx"] == 0, result["failures"]  # every request is valid
     assert result["samples"][-1]["kv"] == 0
     names = {p["process"].split("-")[0] for p in result["processes"]}
-    assert {"server", "worker", "total"} <= names  # the model's worker process is watched
+    assert {"server", "cr", "total"} <= names  # the model's worker process is watched
+    kinds = {p["process"].rsplit("-", 1)[0] for p in result["processes"]}
+    assert {"cr-rank0", "cr-standby"} <= kinds  # and the standby kept for a restart
     assert all(v["pass"] for v in result["verdicts"].values()), result["verdicts"]
     assert result["server"]["children_left"] == [] and result["server"]["tracebacks"] == 0
     assert out.with_suffix(".png").stat().st_size > 0
