@@ -11,8 +11,8 @@ stream closed after a few chunks, a whole response given up within a second). A 
 unanswered for 120 s counts as hung.
 
 Every ``--sample-s`` seconds: RSS (and its shared part), open fds and threads of the server
-and of each process under it (the model's worker, the standby kept for a restart), and KV blocks in use, requests running
-and waiting from ``/metrics``; once more after the load and 5 s of quiet. Targets
+and of each process under it (the model's worker, the standby kept for a restart), and KV
+blocks in use, requests running and waiting from ``/metrics``; once more after the load and 5 s of quiet. Targets
 (``--check``: exit 1 on a FAIL): no request lost (a 200 must end every choice and
 ``data: [DONE]``), hung or broken off; no 5xx but 503; KV blocks back to 0; from the first
 minute (the first 20% of a shorter run) to the end, RSS less shared memory grows at most 5%
