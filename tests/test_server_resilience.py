@@ -106,6 +106,9 @@ def test_worker_killed_mid_stream_fails_its_requests_and_comes_back(model_dirs):
     server = RunningServer(model_dirs("llama"), "--max-num-seqs", "8", "--max-model-len", "512")
     try:
         before = complete_all(server)
+        standby = lambda: worker_pids(server.proc.pid, STANDBY_PROCESS_NAME)  # noqa: E731
+        wait_for(lambda: len(standby()) == 1, 60, "a standby process")
+        (spare,) = standby()
         streams = start_streams(server, 8, max_tokens=480)
         held = concurrent.futures.ThreadPoolExecutor(1).submit(
             server.post, "/v1/completions",
@@ -113,9 +116,6 @@ def test_worker_killed_mid_stream_fails_its_requests_and_comes_back(model_dirs):
         )  # fmt: skip
         time.sleep(0.2)  # the whole request is queued: the batch is full
         (pid,) = worker_pids(server.proc.pid)
-        standby = lambda: worker_pids(server.proc.pid, STANDBY_PROCESS_NAME)  # noqa: E731
-        wait_for(lambda: len(standby()) == 1, 60, "a standby process")
-        (spare,) = standby()
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         wait_for(lambda: get(server.url + "/health")[0] == 503, 2, "/health 503 at once")
