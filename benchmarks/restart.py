@@ -182,7 +182,8 @@ def main() -> None:
         rows += vllm()
     cpu = cpu_name()
     print(f"# {cpu}, {os.cpu_count()} cores; worker death to serving again, SmolLM2-135M fp32")
-    columns = ["side", "to_health_s", "to_serving_s", "same_tokens", "exit_s", "recovers"]
+    columns = ["side", "to_health_s", "to_serving_s", "same_tokens", "from_standby", "exit_s",
+               "recovers"]  # fmt: skip
     print(format_table(columns, [[r.get(c) for c in columns] for r in rows]))
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w") as f:
