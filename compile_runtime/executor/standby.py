@@ -26,7 +26,8 @@ from compile_runtime.worker.worker import die_with_parent, name_process, worker_
 logger = logging.getLogger(__name__)
 
 STANDBY_PROCESS_NAME = "cr-standby"  # /proc/PID/comm, as ps -o comm shows it
-PRELOADED = ("compile_runtime.worker.model_runner", "torch._inductor.compile_fx")
+# Beyond what importing this module (worker.worker, the model runner, torch) already loads.
+PRELOADED = ("torch._inductor.compile_fx",)
 
 
 @dataclass
