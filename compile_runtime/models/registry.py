@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
+from compile_runtime.cache.location import cache_root
 from compile_runtime.config import CompilationConfig, set_compilation_config
 from compile_runtime.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from compile_runtime.models.gguf import GGUFError, gguf_file_in
@@ -28,6 +29,7 @@ from compile_runtime.models.loader import (
     NativeUnsupported,
     read_json_object,
 )
+from compile_runtime.models.mapped_weights import PackedWeightFile
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
@@ -189,6 +191,22 @@ def resolve_quantization(
     return quantization
 
 
+def _packed_weight_file(
+    model: nn.Module,
+    model_dir: str,
+    quantization: str,
+    compilation_config: CompilationConfig,
+    device: torch.device,
+    cpu_pack_weights: bool,
+) -> PackedWeightFile | None:
+    """Where a native CPU model's processed weights are kept between starts (None: nowhere,
+    as when the cache is off)."""
+    if device.type != "cpu" or not cpu_pack_weights or compilation_config.disable_cache:
+        return None
+    root = cache_root(compilation_config.cache_dir)
+    return PackedWeightFile.for_model(model, model_dir, quantization, root)
+
+
 def load_model(
     model_dir: str,
     compilation_config: CompilationConfig,
@@ -218,6 +236,7 @@ def load_model(
     if hf_config is None:
         hf_config = read_hf_config(model_dir)
     device = torch.device(device)
+    packed_file: PackedWeightFile | None = None
     native = hf_config.model_type in ARCHITECTURES and not use_transformers
     quantization = resolve_quantization(quantization, model_dir, device, native)
     with set_compilation_config(compilation_config), default_dtype_and_device(dtype, device):
@@ -241,9 +260,15 @@ def load_model(
                 )
                 native = False
             else:
-                if quantization != "none":
-                    model.quantize_weights(model_dir, quantization)
-                model.load_weights(model_dir)
+                packed_file = _packed_weight_file(
+                    model, model_dir, quantization, compilation_config, device, cpu_pack_weights
+                )
+                mapped = packed_file is not None and packed_file.map_into(model)
+                if not mapped:
+                    plan = {}
+                    if quantization != "none":
+                        plan = model.quantize_weights(model_dir, quantization)
+                    model.load_weights(model_dir)
         if not native:
             if gguf_file_in(model_dir) is not None:
                 raise GGUFError(
@@ -254,6 +279,8 @@ def load_model(
             model = TransformersCausalLM(model_dir, hf_config, dtype)
     if device.type == "cpu" and cpu_pack_weights:
         pack_linear_weights(model)
+        if packed_file is not None and not mapped:
+            packed_file.save(model, plan)
         if tuning_enabled(cpu_tune_kernels):
             tune_linear_kernels(model)
     logger.info(

@@ -178,9 +178,13 @@ def _gemv_reads(weight: torch.Tensor) -> bool:
 
 
 def packed_copies(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """oneDNN's blocked copy of a float ``weight`` and the AMX kernel's (None without AMX)."""
+    """oneDNN's blocked copy of a float ``weight`` and the AMX kernel's (None without AMX);
+    an AMX copy already recorded for it (mapped from a packed-weight file) is kept."""
+    entry = lookup(weight)
     with torch.no_grad():
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+        if entry is not None and entry.amx is not None:
+            return onednn, entry.amx
         return onednn, pack_for_amx(weight.detach())
 
 
