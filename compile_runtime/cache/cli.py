@@ -9,7 +9,7 @@ import os
 import re
 from typing import Any
 
-from compile_runtime.cache import archive, manage
+from compile_runtime.cache import archive, manage, weight_file
 from compile_runtime.cache.location import cache_root, check_root
 from compile_runtime.ops.kernel_tuning import TuningTable, list_tables
 from compile_runtime.table import format_table
@@ -84,18 +84,44 @@ def cmd_list(args: argparse.Namespace) -> int:
     damaged = {e.path: e.problem for e in listed if e.problem}
     damaged.update({os.path.join(args.root, e.key): e.key_problem for e in listed if e.key_problem})
     tables = list_tables(args.root)
+    weights = weight_file.list_files(args.root)
     text = "\n".join(
         ([format_table(headers, rows)] if rows else [])
         + [_corrupt_line(path, problem) for path, problem in sorted(damaged.items())]
+        + _weight_file_lines(weights)
         + _tuning_lines(tables)
     )
     data = [{k: v for k, v in e.to_json().items() if k != "artifacts"} for e in listed]
+    data += [
+        {"packed_weights": path, "bytes": size}
+        | (
+            {"problem": h}
+            if isinstance(h, str)
+            else {"key": h["key"], "tensors": len(h["tensors"])}
+        )
+        for path, size, h in weights
+    ]
     data += [
         {"kernel_tuning": path, **(t.to_json() if isinstance(t, TuningTable) else {"problem": t})}
         for path, t in tables
     ]
     _emit(args, data, text or f"(no entries in {args.root})")
     return 0
+
+
+def _weight_file_lines(files: list) -> list[str]:
+    """The packed-weight files (``cache/weight_file.py``): each one's size and source."""
+    if not files:
+        return []
+    rows = []
+    for path, size, header in files:
+        if isinstance(header, str):
+            rows.append([os.path.basename(path), _mib(size), "-", f"damaged: {header}"])
+            continue
+        sources = ", ".join(os.path.basename(s[0]) for s in header["key"]["sources"])
+        rows.append([os.path.basename(path), _mib(size), len(header["tensors"]), sources])
+    table = format_table(["file", "size", "tensors", "source"], rows)
+    return [f"\npacked weights ({weight_file.weights_folder('')}):\n{table}"]
 
 
 def _tuning_lines(tables: list) -> list[str]:
@@ -238,7 +264,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_clear(args: argparse.Namespace) -> int:
     removed = manage.clear(args.root, args.key)
-    _emit(args, removed, f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}")
+    files = [] if args.key else weight_file.clear_files(args.root)
+    text = f"removed {len(removed)} entr{'y' if len(removed) == 1 else 'ies'}"
+    _emit(args, removed + files, text + (f" and {len(files)} packed-weight files" if files else ""))
     return 0
 
 
@@ -288,7 +316,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add("verify", cmd_verify, "check every checksum")
     p.add_argument("key", nargs="?")
     p.add_argument("--fix", action="store_true", help="quarantine corrupt entries")
-    add("clear", cmd_clear, "remove one entry, or all").add_argument("key", nargs="?")
+    add("clear", cmd_clear, "remove one entry, or all (packed weights too)").add_argument(
+        "key", nargs="?"
+    )
     p = add("prune", cmd_prune, "remove entries, least recently used first")
     p.add_argument("--max-size", type=parse_size)
     p.add_argument("--older-than", type=parse_age)
