@@ -28,18 +28,23 @@ for the bf16 row ours and vLLM read its safetensors directory, llama.cpp its bf1
 
 The prompt is the plain text "What is the capital of France?" on every side (no chat
 template). Columns: first token s (median [min-max] over the starts), that median less the
-torch floor's median, peak RSS (``VmHWM`` of the process at its first token, plus the
-``VmHWM`` of its live descendant processes: vLLM's engine core; ours' and Inductor's
-workers, if any), the size of the weights the side read, and RSS/weights. The JSON also
-has ``/proc/self/smaps_rollup`` at the first token (Rss, Pss, shared/private clean/dirty,
-Anonymous), the time ``import torch`` (or ``import llama_cpp``) took inside the child, the
-token id, and ours' ``llm.startup.summary()``.
+torch floor's median, the child's medians of ``import torch`` (llama.cpp: ``import
+llama_cpp``) / importing the engine (``compile_runtime`` and its ``LLM``; ``vllm``) / the
+engine's construction (``LLM(...)``, ``Llama(...)``) / the first ``generate`` call, peak
+RSS (``VmHWM`` of the process at its first token, plus the ``VmHWM`` of each of its live
+descendant processes: vLLM's engine core and worker, ours' or Inductor's workers if any;
+a page mapped in two processes counts twice; vLLM's includes the KV cache that
+``gpu_memory_utilization=0.5`` of the RAM gives it), the size of the weights the side
+read, and RSS/weights. The JSON also has ``/proc/self/smaps_rollup`` at the first token (Rss,
+Pss, shared/private clean/dirty, Anonymous), the token id, and ours'
+``llm.startup.summary()``.
 
 Left out: the OS page cache (every file was read before, nothing is dropped: the times
 are warm-page-cache times), processes that exited before the first token (their memory
 is not in the peak), the tokenizer's and chat template's work beyond the one prompt,
-a second request, and shutdown. Random-weight models give near-flat logits, so the
-1B rows' token ids may differ across engines.
+a second request, and shutdown. Other work on the machine is not stopped: each start
+records the 1-min load average before it (``load1_before``). Random-weight models give
+near-flat logits, so the 1B rows' token ids may differ across engines.
 
     python benchmarks/startup_vs_peers.py [--quick] [--models q4_1 1b-q8_0 1b-bf16]
         [--sides torch ours-cold ours-warm llamacpp vllm] [--repeats 3]
@@ -73,6 +78,7 @@ MODEL_LABELS = {
 # The targets: ours warm first token within the torch floor plus this many seconds.
 WARM_SLACK_S = {"q4_1": 0.5, "1b-q8_0": 1.2, "1b-bf16": 1.2}
 TIMEOUT_S = {"torch": 300, "ours-cold": 900, "ours-warm": 600, "llamacpp": 300, "vllm": 1200}
+KNOWN_CPUS = {("AMD", "25", "17"): "Zen 4"}  # (vendor word, family, model) -> core
 SMAPS_FIELDS = (
     "Rss",
     "Pss",
@@ -293,7 +299,9 @@ def cpu_name() -> str:
         isa = "AVX2, no AVX512"
     else:
         isa = "no AVX2"
-    return f"{name} (family {family} model {model}; {isa}; {os.cpu_count()} cores)"
+    kind = KNOWN_CPUS.get((name.split()[0] if name else "", family, model), "")
+    kind = f"{kind}, " if kind else ""
+    return f"{name} ({kind}family {family} model {model}; {isa}; {os.cpu_count()} cores)"
 
 
 def dir_bytes(path: str) -> int:
@@ -360,6 +368,7 @@ def spawn(side: str, spec: dict, env_extra: dict, n_ctx: int) -> dict:
     env = {**os.environ, **env_extra}
     cmd = [spec["python"], os.path.abspath(__file__), "--child", "--side", side]
     cmd += ["--model", spec["path"], "--dtype", spec.get("dtype", "auto"), "--n-ctx", str(n_ctx)]
+    load_before = os.getloadavg()[0]
     started = time.time()
     cmd += ["--started", repr(started)]
     try:
@@ -376,6 +385,7 @@ def spawn(side: str, spec: dict, env_extra: dict, n_ctx: int) -> dict:
                 continue
             if result.get("side") == side:
                 result["exit_code"] = proc.returncode
+                result["load1_before"] = load_before
                 return result
     return {
         "side": side,
@@ -455,7 +465,8 @@ def report(model: str, r: dict) -> None:
     mem = r["memory"]
     log(
         f"{model} {r['side']}: first token {r['first_token_s']:.2f} s "
-        f"(import {r.get('import_s', 0):.2f} s), peak RSS {mem['peak_rss'] / 1e9:.2f} GB"
+        f"(import {r.get('import_s', 0):.2f} s), peak RSS {mem['peak_rss'] / 1e9:.2f} GB, "
+        f"load average before {r['load1_before']:.1f}"
         + (f", token {r['token']}" if "token" in r else "")
         + (f"\n    {r['startup']}" if "startup" in r else "")
     )
@@ -494,7 +505,10 @@ def summarize(runs: list[dict], models: list[str], sides: list[str], cpu: str, i
                     first_token_s=statistics.median(times),
                     first_token_min=min(times),
                     first_token_max=max(times),
-                    import_s=statistics.median(r.get("import_s", 0.0) for r in done),
+                    **{
+                        k: statistics.median(r[k] for r in done) if k in done[0] else None
+                        for k in ("import_s", "import_engine_s", "engine_s", "generate_s")
+                    },
                     peak_rss=statistics.median(peaks),
                     weights=dir_bytes(path) if path else None,
                     tokens=sorted({str(r.get("token")) for r in done}),
@@ -517,6 +531,7 @@ def table(rows: list[dict], format_table) -> str:
         "ran on",
         "first token s, median [min-max]",
         "minus torch import s",
+        "import torch / import engine / engine / generate s",
         "peak RSS GB",
         "weights GB",
         "RSS/weights",
@@ -538,6 +553,10 @@ def table(rows: list[dict], format_table) -> str:
                 r["ran_on"] + (f", cache {r['cache'][0]}" if r.get("cache") else ""),
                 f"{r['first_token_s']:.2f} [{r['first_token_min']:.2f}-{r['first_token_max']:.2f}]",
                 "" if r["minus_torch_s"] is None else f"{r['minus_torch_s']:+.2f}",
+                " / ".join(
+                    "" if r.get(k) is None else f"{r[k]:.2f}"
+                    for k in ("import_s", "import_engine_s", "engine_s", "generate_s")
+                ),
                 f"{r['peak_rss'] / 1e9:.2f}",
                 "" if not w else f"{w / 1e9:.2f}",
                 "" if not w else f"{r['peak_rss'] / w:.2f}",
@@ -643,7 +662,12 @@ def main() -> None:
     log(f"CPU: {cpu}")
     runs = measure(args, install)
     rows = summarize(runs, args.models, args.sides, cpu, install)
-    print(f"# start-up to the first token, fresh processes; CPU: {cpu}")
+    loads = [r["load1_before"] for r in runs if "load1_before" in r]
+    load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "?"
+    print(
+        f"# start-up to the first token, fresh processes; CPU: {cpu}; 1-min load average "
+        f"before each start {load} (above 0 means other work shared the cores)"
+    )
     print(table(rows, table_mod.format_table))
     checks = targets(rows, args.models, parse_baselines(args.cold_baseline, args.models))
     for c in checks:

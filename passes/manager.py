@@ -29,6 +29,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -40,9 +41,11 @@ from compile_runtime.passes.matching import tensor_val
 from compile_runtime.passes.noop_elimination import NoOpEliminationPass
 from compile_runtime.passes.rms_norm_fusion import RMSNormFusionPass
 from compile_runtime.passes.rotary_fusion import RotaryFusionPass
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from compile_runtime.config import PassConfig
+
+if TYPE_CHECKING:
+    from compile_runtime.passes.post_grad import PostGradPass
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +161,8 @@ class PassManager:
         return counts
 
     def post_grad_pass(self, runtime_shape: int | None = None) -> PostGradPass:
+        from compile_runtime.passes.post_grad import PostGradPass  # imports Inductor
+
         """The Inductor post-grad custom pass for a piece compiled for ``runtime_shape``."""
         return PostGradPass(self, runtime_shape)
 
@@ -196,19 +201,3 @@ def readable_graph(graph: torch.fx.Graph) -> str:
             print_output=False, include_stride=True, include_device=True, colored=False
         )
     return graph.python_code("self").src
-
-
-class PostGradPass(CustomGraphPass):
-    """Inductor's ``post_grad_custom_post_pass`` for one compile of one piece."""
-
-    def __init__(self, manager: PassManager, runtime_shape: int | None):
-        self.manager = manager
-        self.runtime_shape = runtime_shape
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        self.manager.run(graph, Phase.POST_GRAD, self.runtime_shape)
-
-    def uuid(self) -> str:
-        applies = [p.name for p, _ in self.manager.passes if p.applies_to(self.runtime_shape)]
-        blob = json.dumps([self.manager.uuid(), applies])
-        return hashlib.sha256(blob.encode()).hexdigest()[:16]

@@ -15,7 +15,6 @@ from typing import Any
 import torch
 import torch.fx
 from torch._ops import OpOverload, OpOverloadPacket
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -59,6 +58,8 @@ def sym_equal(a: Any, b: Any) -> bool:
         ):
             return False
         return len(a) == len(b) and all(sym_equal(x, y) for x, y in zip(a, b, strict=True))
+    from torch.fx.experimental.symbolic_shapes import statically_known_true  # sympy: lazily
+
     return bool(statically_known_true(a == b))
 
 

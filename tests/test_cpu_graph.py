@@ -26,9 +26,12 @@ pytestmark = pytest.mark.skipif(not cpu_graphs_available(), reason="needs a C co
 PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], [20, 21, 22, 23, 24, 25, 26], [30, 31]]
 
 
-def _engine(model_dir: str, mode: str | None, dtype: str = "float32", **options) -> cr.LLM:
+def _engine(
+    model_dir: str, mode: str | None, dtype: str = "float32", lazy: bool = False, **options
+) -> cr.LLM:
+    """Graphs captured at start-up (what most tests here count), or on first use (``lazy``)."""
     options.setdefault("quantization", "none")
-    config = {"backend": "inductor", "compile_sizes": []}
+    config = {"backend": "inductor", "compile_sizes": [], "lazy_capture": lazy}
     if mode is not None:
         config["cudagraph_mode"] = mode
     return cr.LLM(
@@ -90,6 +93,30 @@ def test_replayed_steps_equal_the_unreplayed_ones(model_dirs, reference, dtype, 
         before = full.num_replays
         assert _tokens(llm, prompts) == reference(dtype, quantization, prompts)
         assert full.num_replays - before == 11  # 12 tokens: one prefill, 11 decode steps
+
+
+def test_graphs_captured_on_first_use_equal_those_of_start_up(model_dirs, reference):
+    """The default on a CPU: nothing captured at start-up; a size's first step runs
+    unreplayed, its second is captured, the rest replay; the tokens do not change."""
+    with compilation_counter.expect(num_cudagraph_captured=0):
+        llm = _engine(model_dirs("llama"), None, lazy=None)
+    runner = llm.executor.driver_runner
+    assert runner.capture_report.on_first_use and not runner.capture_report.sizes
+    assert "captured on first use" in llm.startup.summary()
+    full = _full_wrapper(llm)
+    assert _tokens(llm, PROMPTS[:1]) == reference("float32", "none", PROMPTS[:1])
+    # 12 tokens: a prefill, then 11 decode steps of one token: warm-up, capture, 9 replays.
+    assert full.num_replays == 9 and runner.capture_report.sizes["FULL"] == [1]
+    assert runner.unreplayed[runner.lazy_capture.FIRST_USE] == 2  # the prefill's size too
+    with compilation_counter.expect(num_backend_compilations=0):  # the prefill's size captured
+        assert _tokens(llm, PROMPTS[:1]) == reference("float32", "none", PROMPTS[:1])
+    with compilation_counter.expect(num_cudagraph_captured=0, num_backend_compilations=0):
+        assert _tokens(llm, PROMPTS[:1]) == reference("float32", "none", PROMPTS[:1])
+    assert full.num_replays == 9 + 11 + 11
+    assert _tokens(llm, PROMPTS) == reference("float32")  # batches of 4, 2 and 1 decoding
+    assert (
+        set(runner.capture_report.sizes["FULL"]) <= {1, 2, 4} and not runner.capture_report.failed
+    )
 
 
 def test_batch_one_generation_replays_every_decode_step_and_compiles_nothing(model_dirs):

@@ -161,7 +161,8 @@ def reference(model_dirs):
 @pytest.mark.slow
 def test_two_stages_with_inductor_trace_once_each_and_overlap(model_dirs, reference):
     # 14 blocks of 4 tokens cannot hold three requests at full length: preemption.
-    llm = cr.LLM(model_dirs("llama"), {"backend": "inductor"}, pipeline_parallel_size=2,
+    llm = cr.LLM(model_dirs("llama"), {"backend": "inductor", "lazy_capture": False},
+                 pipeline_parallel_size=2,
                  num_gpu_blocks_override=14, **SIZES)  # fmt: skip
     try:
         pids = llm.executor.pids

@@ -80,7 +80,8 @@ def llm(model_dirs):
 
 def test_one_generate_walks_few_files_one_way(llm):
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # compiles and captures
+    for _ in range(2):  # compiles, then captures (a size's graph at its second use)
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
     entered, back_calls = walk(lambda: llm.generate([[5, 6, 7]], params, use_tqdm=False))
     assert llm.last_stats.steps == 6  # 1 prefill + 5 decode steps
     assert "compile_runtime/engine/llm.py" in entered, "the profile saw none of the package"

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils._pytree import tree_flatten
 
 from compile_runtime.config import CompilationConfig, CompilationMode, CUDAGraphMode
@@ -115,6 +114,8 @@ def node_value(node: Any) -> Any:
 
 def _unbacked(value: Any) -> set[Any]:
     try:
+        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # sympy
+
         return set(free_unbacked_symbols(value))
     except Exception:  # a value the symbol walk does not know (an opaque object)
         return set()

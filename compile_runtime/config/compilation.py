@@ -129,6 +129,9 @@ class CompilationConfig(BaseModel):
     cudagraph_capture_sizes: list[int] | str | None = None
     max_cudagraph_capture_size: int | None = None  # None = largest capture size or 512
     cudagraph_num_warmups: int = Field(default=1, ge=0)
+    # When graphs are captured: None = on first use for CPU graphs (a size's first step runs
+    # unreplayed, its second is captured while it runs), at start-up for CUDA graphs.
+    lazy_capture: bool | None = None
     cache_dir: str | None = None
     disable_cache: bool = False
     pass_config: PassConfig = Field(default_factory=PassConfig)
@@ -140,7 +143,7 @@ class CompilationConfig(BaseModel):
     # Fields that never change compiled code. Everything else is hashed, so a
     # new field is part of the cache key unless someone adds it here.
     HASH_EXCLUDED_FIELDS: ClassVar[frozenset[str]] = frozenset(
-        {"cache_dir", "disable_cache", "debug_dump_path", "cudagraph_num_warmups"}
+        {"cache_dir", "disable_cache", "debug_dump_path", "cudagraph_num_warmups", "lazy_capture"}
     )
 
     @field_validator("mode", mode="before")

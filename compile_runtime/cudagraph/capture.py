@@ -1,8 +1,10 @@
-"""Start-up capture: every graph the dispatcher lists, before the first request.
+"""Graph capture: every graph the dispatcher lists at start-up, or each on first use.
 
-Capturing at start-up (largest size first, all graphs in one memory pool)
-means serving never pays for a capture, and the memory the graphs take is
-known before the KV cache is sized.
+Capturing at start-up (``capture``: largest size first, all graphs in one memory pool)
+means serving never pays for a capture, and the memory the graphs take is known before
+the KV cache is sized: what CUDA graphs need. A CPU graph records native calls while the
+step runs for real and its memory is small, so it can be captured when a size is first
+used (``LazyCapture``): a start then captures nothing, and sizes never used cost nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import contextlib
 import gc
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +50,7 @@ class CaptureReport:
     sizes: dict[str, list[int]] = field(default_factory=dict)  # captured token counts by mode
     # Descriptors whose capture was refused, with the reason: they run unreplayed.
     failed: dict[str, str] = field(default_factory=dict)
+    on_first_use: bool = False  # captured as sizes are first used (LazyCapture), not at start-up
 
     def summary(self) -> str:
         parts = [
@@ -65,6 +69,8 @@ class CaptureReport:
 
     def sizes_line(self) -> str:
         """Which sizes each mode captured, and how many were refused: for the start-up line."""
+        if self.on_first_use:
+            return f"{self.kind} graphs captured on first use"
         parts = [f"{self.kind} {mode} {_ranges(sizes)}" for mode, sizes in self.sizes.items()]
         if self.failed:
             parts.append(f"{len(self.failed)} sizes not captured")
@@ -200,3 +206,66 @@ def _capture_one(
     report.num_graphs[name] = report.num_graphs.get(name, 0) + captured
     report.sizes.setdefault(name, []).append(descriptor.num_tokens)
     report.seconds[name] = report.seconds.get(name, 0.0) + time.perf_counter() - start
+
+
+class LazyCapture:
+    """Graphs captured on first use, one ``(mode, descriptor)`` at a time: a size's first
+    step runs unreplayed (it warms up every lazy path, which a capture would refuse), its
+    second is captured while it runs, later ones replay. A refused capture takes the
+    descriptor out of the dispatcher (one warning per reason) and the step runs unreplayed.
+    ``report`` adds up what was captured so far."""
+
+    FIRST_USE = "first use of this size (its graph is captured at the next)"
+    REFUSED = "its graph's capture was refused"
+
+    def __init__(self, dispatcher: CudagraphDispatcher, kind: str = "CPU"):
+        self.dispatcher = dispatcher
+        self.report = CaptureReport(kind=kind, on_first_use=True)
+        self._seen: set[tuple[CUDAGraphMode, BatchDescriptor]] = set()
+        self._captured: set[tuple[CUDAGraphMode, BatchDescriptor]] = set()
+
+    def run(
+        self,
+        mode: CUDAGraphMode,
+        descriptor: BatchDescriptor,
+        forward: Callable[[CUDAGraphMode], Any],
+        unreplayed: Counter[str],
+        reason: str | None = None,
+    ) -> tuple[Any, CUDAGraphMode, str | None]:
+        """``forward(mode)`` (the step under that runtime mode), capturing on the way: the
+        output, the mode it ran in and why it ran unreplayed (``reason``, the dispatcher's, if
+        it was not this; each such step counted in ``unreplayed``)."""
+        key = (mode, descriptor)
+        if mode == CUDAGraphMode.NONE or key in self._captured:
+            return forward(mode), mode, reason
+        if key not in self._seen:
+            self._seen.add(key)
+            unreplayed[self.FIRST_USE] += 1
+            return forward(CUDAGraphMode.NONE), CUDAGraphMode.NONE, self.FIRST_USE
+        before = compilation_counter.num_cudagraph_captured
+        start = time.perf_counter()
+        try:
+            with cudagraph_capturing_enabled():
+                out = forward(mode)
+        except GraphCaptureUnsupported as e:
+            seen = str(e) in self.report.failed.values()
+            self.report.failed[f"{mode.name} {descriptor}"] = str(e)
+            self.dispatcher.discard(mode, descriptor)
+            logger.log(
+                logging.INFO if seen else logging.WARNING,
+                "%s graph for %s not captured, its batches run unreplayed: %s",
+                mode.name,
+                descriptor,
+                e,
+            )
+            unreplayed[self.REFUSED] += 1
+            return forward(CUDAGraphMode.NONE), CUDAGraphMode.NONE, self.REFUSED
+        self._captured.add(key)
+        name = mode.name
+        report = self.report
+        report.num_descriptors[name] = report.num_descriptors.get(name, 0) + 1
+        captured = compilation_counter.num_cudagraph_captured - before
+        report.num_graphs[name] = report.num_graphs.get(name, 0) + captured
+        report.sizes.setdefault(name, []).append(descriptor.num_tokens)
+        report.seconds[name] = report.seconds.get(name, 0.0) + time.perf_counter() - start
+        return out, mode, reason

@@ -1,8 +1,8 @@
 """Processed weights: what a linear layer's weight became after loading, one record per weight.
 
 A layer's weight is processed once after loading
-(``cpu_linear.process_weights_after_loading``): a float weight gets oneDNN's blocked copy and, in bf16 with AMX, the AMX kernel's copy; a
-quantized weight's bytes are rearranged in place into the int8 kernel's layout. Every
+(``cpu_linear.process_weights_after_loading``): a float32 weight gets oneDNN's blocked copy,
+a bf16 one with AMX the AMX kernel's copy; a quantized weight's bytes are rearranged in place into the int8 kernel's layout. Every
 reader finds the result here with ``lookup``: ``cpu_linear`` and the quantized kernels,
 the tied embedding reading the LM head's bytes, ``dequantize``.
 

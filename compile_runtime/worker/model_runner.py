@@ -1,14 +1,14 @@
 """The model runner: one step of the scheduler's plan through the compiled model.
 
-``execute_model`` applies the scheduler's differences to the persistent batch,
-lays the step's tokens out flat in persistent buffers (step_inputs.py), asks the
-dispatcher for the runtime mode and padded size, builds attention metadata once
-(attention/groups.py), runs the forward inside a forward context, then computes the
-logits the step needs in one call. ``sample_tokens`` samples (or verifies drafts) and,
-with speculative decoding, proposes the next drafts (sampling_step.py). The state
-between the two calls lives in one ``ExecuteModelState``. Start-up is ``__init__`` (threads, weights, buffers) then
-``initialize``: the first forward, the CUDA graph plan (cudagraph_plan.py), the KV
-cache (startup.py), the capture.
+``execute_model`` applies the scheduler's differences to the persistent batch, lays the
+step's tokens out flat in persistent buffers (step_inputs.py), asks the dispatcher for the
+runtime mode and padded size, builds attention metadata once (attention/groups.py), runs
+the forward inside a forward context, then computes the logits the step needs in one call.
+``sample_tokens`` samples (or verifies drafts) and, with speculative decoding, proposes the
+next drafts (sampling_step.py); between the two calls the state is one ``ExecuteModelState``.
+Start-up is ``__init__`` (threads, weights, buffers) then ``initialize``: the first forward,
+the graph plan (cudagraph_plan.py), the KV cache (startup.py), the capture (or none: CPU
+graphs are captured on first use, ``cudagraph/capture.py``).
 
 Under tensor and pipeline parallelism every rank runs its own runner on the same scheduler
 output (so the persistent batches stay identical); a pipeline stage takes the step's hidden
@@ -34,7 +34,7 @@ from compile_runtime.compiler.decorator import backend_seconds, set_graph_factor
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.capture import CaptureReport, capture
+from compile_runtime.cudagraph.capture import CaptureReport, LazyCapture, capture
 from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, records_cpu_graphs
 from compile_runtime.cudagraph.dispatcher import (
     CudagraphDispatcher,
@@ -155,8 +155,7 @@ class ModelRunner:
         self.proposer = spec and NgramProposer(
             spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
         )
-        # A decode step runs 1 + k tokens per request when every request has k drafts: that
-        # is the uniform decode batch the decode mode's graphs are captured for.
+        # Every request with k drafts: a uniform decode step of 1 + k tokens per request.
         self.uniform_decode_query_len = 1 + (spec.num_speculative_tokens if spec else 0)
         # No step can hold more tokens than max_num_seqs full-length requests.
         self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
@@ -175,8 +174,7 @@ class ModelRunner:
         )
         for builder, _ in self.metadata_groups:
             builder.uniform_decode_query_len = self.uniform_decode_query_len
-        # Its capture sizes now (a bad "auto:FILE" fails before the compile); its keys once the
-        # trace has shown the split (cudagraph_plan.py).
+        # Sizes now (a bad "auto:FILE" fails before the compile); keys after the trace.
         self.dispatcher = CudagraphDispatcher(
             cpu_capture_config(compilation_config) if self.graph_factory else compilation_config,
             max_num_tokens=self.max_num_tokens,
@@ -188,6 +186,7 @@ class ModelRunner:
         self.execute_state: ExecuteModelState | None = None
         self.num_blocks = 0
         self.capture_report: CaptureReport | None = None
+        self.lazy_capture: LazyCapture | None = None  # CPU graphs captured on first use
         self.unreplayed: Counter[str] = Counter()  # steps without a graph, by reason
         self.vocab_size = getattr(self.model.config, "vocab_size", None)
 
@@ -231,7 +230,11 @@ class ModelRunner:
         )
         for builder, _ in self.metadata_groups:  # every step's block ids checked against it
             builder.num_cache_blocks = self.num_blocks
-        if self.dispatcher.capture_descriptors():
+        lazy = self.compilation_config.lazy_capture
+        if self.dispatcher.capture_descriptors() and (lazy or lazy is None and self.graph_factory):
+            self.lazy_capture = LazyCapture(self.dispatcher)
+            self.capture_report = self.lazy_capture.report
+        elif self.dispatcher.capture_descriptors():
             start = time.perf_counter()
             pool = self.graph_factory.pool() if self.graph_factory else None
             with torch.inference_mode():
@@ -242,6 +245,7 @@ class ModelRunner:
                     graph_pool=pool,
                 )
             times.graphs = time.perf_counter() - start
+        if self.capture_report is not None:
             times.graph_sizes = self.capture_report.sizes_line()
 
     def release(self) -> None:
@@ -255,8 +259,6 @@ class ModelRunner:
             forward.entries.clear()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-    # ---- one step ---------------------------------------------------------
 
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
     def execute_model(self, so: SchedulerOutput) -> None:
@@ -298,7 +300,6 @@ class ModelRunner:
             hidden, mode, unreplayed = self._run_step(step, target, uniform_decode, loras)
         if self.stage is not None:
             send_stage_output(self.stage, hidden, total)
-
         rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
         # One logits call (a collective under TP) for sampling and prompt rows alike.
         logits = self.model.compute_logits(hidden_rows(hidden, rows.indices))
@@ -332,23 +333,28 @@ class ModelRunner:
             self.unreplayed[unreplayed] += 1
         padded = descriptor.num_tokens
         self.buffers.load(step, padded)
-        metadata = build_metadata(
-            self.metadata_groups,
-            query_start_loc(step.cu_num_scheduled),
-            torch.from_numpy(step.seq_lens.astype(np.int32)),
-            self.input_batch.block_table.gather(step.rows),
-            self.buffers.slot_mapping[:padded],
-            total,
-            num_padded_tokens=padded,
-            for_cudagraph=mode == CUDAGraphMode.FULL,
-        )
-        with set_forward_context(
-            metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
-        ):
-            plan = self.cudagraph_plan
-            forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
-            hidden = forward(*self.buffers.forward_args(padded))
-        return hidden, mode, unreplayed
+
+        def run(mode: CUDAGraphMode) -> torch.Tensor:
+            metadata = build_metadata(
+                self.metadata_groups,
+                query_start_loc(step.cu_num_scheduled),
+                torch.from_numpy(step.seq_lens.astype(np.int32)),
+                self.input_batch.block_table.gather(step.rows),
+                self.buffers.slot_mapping[:padded],
+                total,
+                num_padded_tokens=padded,
+                for_cudagraph=mode == CUDAGraphMode.FULL,
+            )
+            with set_forward_context(
+                metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
+            ):
+                plan = self.cudagraph_plan
+                forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
+                return forward(*self.buffers.forward_args(padded))
+
+        if self.lazy_capture is not None:
+            return self.lazy_capture.run(mode, descriptor, run, self.unreplayed, unreplayed)
+        return run(mode), mode, unreplayed
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:

@@ -96,9 +96,10 @@ def allocated_bytes(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-# The start-up's first forward on a CPU with a saved program: enough tokens to run every
-# path of the program once (the largest capture size runs next, at capture's warm-up).
-FIRST_FORWARD_TOKENS = 64
+# The start-up's first forward on a CPU with a saved program: a few tokens, to run the
+# program once (each size's own paths warm up at its first use: capture's warm-up at the
+# largest size, or a lazily captured size's first step). On a 1B model 64 tokens took ~1 s.
+FIRST_FORWARD_TOKENS = 8
 
 
 def first_forward_tokens(
