@@ -4,7 +4,7 @@ Two places run passes:
 
 * ``manager(gm)`` runs the pre-split passes once on the whole Dynamo graph,
   before it is split at the attention ops (passes that need the whole graph);
-* ``manager.post_grad_pass(runtime_shape)`` is the ``CustomGraphPass`` that the
+* ``post_grad.PostGradPass(manager, runtime_shape)`` is the ``CustomGraphPass`` that the
   Inductor adaptor installs as ``post_grad_custom_post_pass``: Inductor calls it
   on the ATen-level, functionalized graph of every piece it compiles.
 
@@ -29,7 +29,6 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -43,9 +42,6 @@ from compile_runtime.passes.rms_norm_fusion import RMSNormFusionPass
 from compile_runtime.passes.rotary_fusion import RotaryFusionPass
 
 from compile_runtime.config import PassConfig
-
-if TYPE_CHECKING:
-    from compile_runtime.passes.post_grad import PostGradPass
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +155,6 @@ class PassManager:
             ", ".join(f"{name} {n}" for name, n in counts.items()),
         )
         return counts
-
-    def post_grad_pass(self, runtime_shape: int | None = None) -> PostGradPass:
-        from compile_runtime.passes.post_grad import PostGradPass  # imports Inductor
-
-        """The Inductor post-grad custom pass for a piece compiled for ``runtime_shape``."""
-        return PostGradPass(self, runtime_shape)
 
     # ---- identity -------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from compile_runtime.passes.base import GraphPass
 from compile_runtime.passes.cleanup import PostCleanupPass
 from compile_runtime.passes.fix_functionalization import FixFunctionalizationPass
 from compile_runtime.passes.noop_elimination import NoOpEliminationPass
+from compile_runtime.passes.post_grad import PostGradPass
 from compile_runtime.passes.rms_norm_fusion import RMSNormFusionPass
 from compile_runtime.passes.rotary_fusion import RotaryFusionPass
 from torch._higher_order_ops.auto_functionalize import (
@@ -681,8 +682,8 @@ def test_token_ranges():
     assert "small_batch" not in names(manager, shape=32)
     assert "small_batch" not in names(manager, shape=None)  # the general graph serves all
     # Inductor's cache tells the compiles apart by what runs on them.
-    assert manager.post_grad_pass(8).uuid() != manager.post_grad_pass(None).uuid()
-    assert manager.post_grad_pass(32).uuid() == manager.post_grad_pass(None).uuid()
+    assert PostGradPass(manager, 8).uuid() != PostGradPass(manager, None).uuid()
+    assert PostGradPass(manager, 32).uuid() == PostGradPass(manager, None).uuid()
 
 
 def test_debug_dump_writes_each_graph_before_and_after_each_pass(tmp_path, caplog):
@@ -713,7 +714,7 @@ def test_inductor_adaptor_installs_the_post_grad_pass():
     patches = adaptor.inductor_config(None)
     assert patches["max_autotune"] is False
     assert isinstance(patches["post_grad_custom_post_pass"], CustomGraphPass)
-    assert patches["post_grad_custom_post_pass"].uuid() == manager.post_grad_pass(None).uuid()
+    assert patches["post_grad_custom_post_pass"].uuid() == PostGradPass(manager, None).uuid()
 
     class Theirs(CustomGraphPass):
         def __call__(self, graph):

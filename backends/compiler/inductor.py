@@ -61,7 +61,9 @@ class InductorAdaptor(CompilerAdaptor):
         """The config patches for one compile, with the pass manager's post-grad pass."""
         patches = dict(self.config_patches)
         if self.pass_manager is not None:
-            ours = self.pass_manager.post_grad_pass(runtime_shape)
+            from compile_runtime.passes.post_grad import PostGradPass
+
+            ours = PostGradPass(self.pass_manager, runtime_shape)
             theirs = patches.get("post_grad_custom_post_pass")
             if theirs is None:
                 patches["post_grad_custom_post_pass"] = ours

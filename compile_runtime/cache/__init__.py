@@ -2,7 +2,8 @@
 
 ``key`` (the hash of named, readable factors), ``location`` (where the cache lives),
 ``entry`` (one model's compiled pieces on one rank under one key), ``files`` (crash-safe
-writes and checksums), ``kernels`` (Inductor's compiled C++ kernels shipped with an entry);
+writes and checksums), ``kernels`` (Inductor's compiled C++ kernels shipped with an entry), ``weight_file``
+(packed-weight files: a model's processed weights, mapped at later starts);
 ``manage`` (inspect and manage the cache), ``archive`` (export/import an entry between
 machines) and ``cli`` (``compile-runtime cache ...``).
 """

@@ -8,6 +8,7 @@ every argument that may be None is None exactly when it was at the trace.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import sys
 import types
@@ -70,17 +71,24 @@ class CompiledForward:
         self.load_program = True
         if config.mode == CompilationMode.STOCK_TORCH_COMPILE:
             self.graph_compiler = None
-            self.compiled = torch.compile(model.forward, backend=config.backend)
+            self.forward = model.forward
         else:
             self.graph_compiler = GraphCompiler(config, model_tag=self.model_name)
             self.forward = _private_forward(model)
-            self.compiled = torch.compile(
-                self.forward,
-                backend=self.graph_compiler,
-                fullgraph=True,
-                dynamic=False,
-                options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
-            )
+
+    @functools.cached_property
+    def compiled(self) -> Callable[..., Any]:
+        """``torch.compile`` of the forward, made at the first trace: a start that runs a saved
+        program never pays for it (~0.3 s)."""
+        if self.graph_compiler is None:
+            return torch.compile(self.forward, backend=self.config.backend)
+        return torch.compile(
+            self.forward,
+            backend=self.graph_compiler,
+            fullgraph=True,
+            dynamic=False,
+            options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+        )
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.graph_compiler is None:  # stock torch.compile: Dynamo decides

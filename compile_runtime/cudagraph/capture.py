@@ -222,7 +222,7 @@ class LazyCapture:
         self.dispatcher = dispatcher
         self.report = CaptureReport(kind=kind, on_first_use=True)
         self._seen: set[tuple[CUDAGraphMode, BatchDescriptor]] = set()
-        self._captured: set[tuple[CUDAGraphMode, BatchDescriptor]] = set()
+        self.captured: set[tuple[CUDAGraphMode, BatchDescriptor]] = set()  # replay from now
 
     def run(
         self,
@@ -236,7 +236,7 @@ class LazyCapture:
         output, the mode it ran in and why it ran unreplayed (``reason``, the dispatcher's, if
         it was not this; each such step counted in ``unreplayed``)."""
         key = (mode, descriptor)
-        if mode == CUDAGraphMode.NONE or key in self._captured:
+        if mode == CUDAGraphMode.NONE or key in self.captured:
             return forward(mode), mode, reason
         if key not in self._seen:
             self._seen.add(key)
@@ -260,7 +260,7 @@ class LazyCapture:
             )
             unreplayed[self.REFUSED] += 1
             return forward(CUDAGraphMode.NONE), CUDAGraphMode.NONE, self.REFUSED
-        self._captured.add(key)
+        self.captured.add(key)
         name = mode.name
         report = self.report
         report.num_descriptors[name] = report.num_descriptors.get(name, 0) + 1

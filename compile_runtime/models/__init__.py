@@ -1,6 +1,7 @@
 """Models: what the runner needs of one (``interface``), the native Llama family (``llama``, its position
 embedding in ``rotary``;
-``loader`` puts safetensors checkpoints into it), any other transformers model through
+``loader`` puts safetensors checkpoints into it, ``mapped_weights`` maps them from the cache
+at later starts), any other transformers model through
 ``transformers_adapter``, and ``registry``'s ``load_model`` that picks between them.
 
 Around them: ``dtype`` (the precision a model runs in), ``tokenizer`` (the tokenizer and the

@@ -352,9 +352,10 @@ class ModelRunner:
                 forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
                 return forward(*self.buffers.forward_args(padded))
 
-        if self.lazy_capture is not None:
-            return self.lazy_capture.run(mode, descriptor, run, self.unreplayed, unreplayed)
-        return run(mode), mode, unreplayed
+        lazy = self.lazy_capture  # once captured, a size's steps replay without a call here
+        if lazy is None or mode == CUDAGraphMode.NONE or (mode, descriptor) in lazy.captured:
+            return run(mode), mode, unreplayed
+        return lazy.run(mode, descriptor, run, self.unreplayed, unreplayed)
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:
