@@ -100,6 +100,10 @@ def allocated_bytes(device: torch.device) -> int:
 # program once (each size's own paths warm up at its first use: capture's warm-up at the
 # largest size, or a lazily captured size's first step). On a 1B model 64 tokens took ~1 s.
 FIRST_FORWARD_TOKENS = 8
+# The first trace's size on a CPU, Inductor's size hint for the token dimension: the code
+# it generated for SmolLM2's pieces at 256 tokens was that of 2048 (but for the example
+# inputs of its benchmark harness).
+CPU_TRACE_TOKENS = 256
 
 
 def first_forward_tokens(
@@ -110,14 +114,15 @@ def first_forward_tokens(
 ) -> int:
     """Tokens of the start-up's first forward: ``max_num_tokens`` (the profile of the largest
     step, and the first trace's size), but on a CPU, where no memory is profiled, a model
-    with a saved program loads it and runs a small step: not seconds of a 2-core prefill.
-    ``profile(n)``: the first forward's context (``profile_metadata``), where the program's
-    key is what the forward's will be."""
+    with a saved program loads it and runs a small step, and one without traces at
+    ``CPU_TRACE_TOKENS``: not seconds of a 2-core prefill (a 2048-token step of a 1B model
+    took ~15 s). ``profile(n)``: the first forward's context (``profile_metadata``), where
+    the program's key is what the forward's will be."""
     if buffers.device.type != "cpu":
         return max_num_tokens
     with profile(max_num_tokens), torch.inference_mode():
         found = load_saved_program(model, *buffers.forward_args(max_num_tokens))
-    return min(max_num_tokens, FIRST_FORWARD_TOKENS) if found else max_num_tokens
+    return min(max_num_tokens, FIRST_FORWARD_TOKENS if found else CPU_TRACE_TOKENS)
 
 
 @contextlib.contextmanager
