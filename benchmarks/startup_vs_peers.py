@@ -19,8 +19,8 @@ memory and prints one JSON line (its last). Sides, interleaved within each repea
   LD_PRELOAD=libiomp5.so``, one greedy token. It runs on HF safetensors directories (the
   135M row: ``smollm2-hf``, float32, dequantized from the Q4_1 file; the 1B bf16 row: the
   bf16 directory; not on the Q8_0 row). Its compile cache lives in
-  ``benchmarks/.peers/vllm-cache``, kept between starts as its users have it: each start
-  records whether that cache was empty before it (``cache``).
+  ``benchmarks/.peers/vllm-cache/<model>``, kept between starts as its users have it: each
+  start records whether that model's cache was empty before it (``cache``).
 
 Model files (``--models``): ``q4_1`` (the project's SmolLM2-135M-Instruct Q4_1 GGUF),
 ``1b-q8_0`` and ``1b-bf16`` (the 1B-class Llama of ``peers/install.py``, random weights;
@@ -394,9 +394,9 @@ def spawn(side: str, spec: dict, env_extra: dict, n_ctx: int) -> dict:
     }
 
 
-def vllm_env(install) -> dict:
+def vllm_env(install, model: str) -> dict:
     cores = os.cpu_count() or 2
-    cache = os.path.join(install.PEERS, "vllm-cache")
+    cache = os.path.join(install.PEERS, "vllm-cache", model)  # one per model: warm or cold
     return {
         "VLLM_CPU_OMP_THREADS_BIND": f"0-{cores - 1}",
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
@@ -438,7 +438,7 @@ def measure(args, install) -> list[dict]:
                     elif side == "ours-warm":
                         env = warm
                     elif side == "vllm":
-                        env = vllm_env(install)
+                        env = vllm_env(install, model)
                         cache = env["VLLM_CACHE_ROOT"]
                         was_warm = os.path.isdir(cache) and bool(os.listdir(cache))
                     r = spawn(side, spec, env, args.n_ctx)
