@@ -119,3 +119,31 @@ def test_a_library_must_include_its_header(tmp_path):
     _write(tmp_path, {**LIBRARY, "t.c": LIBRARY["t.c"].replace('#include "t.h"\n', "")})
     with pytest.raises(ValueError, match="t.c must include t.h"):
         load_c_library("t", "a test library", folder=str(tmp_path))
+
+
+@pytest.mark.skipif(c_compiler() is None, reason="needs a C compiler")
+def test_a_library_built_ahead_is_built_once_and_waited_for(tmp_path, monkeypatch):
+    """``build_ahead`` (an engine's start) compiles in a background thread; a load of the
+    same library while it builds waits for that build instead of starting its own."""
+    import threading
+
+    from compile_runtime.ops import c_library
+
+    monkeypatch.setenv("COMPILE_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
+    _write(tmp_path, LIBRARY)
+    builds, started, release = [], threading.Event(), threading.Event()
+    real_build = c_library._build
+
+    def slow_build(*args):
+        builds.append(threading.current_thread().name)
+        started.set()
+        release.wait(30)  # the load below comes while this build is under way
+        real_build(*args)
+
+    monkeypatch.setattr(c_library, "_build", slow_build)
+    c_library.build_ahead(("t",), folder=str(tmp_path))
+    assert started.wait(30)
+    threading.Timer(0.2, release.set).start()
+    lib = load_c_library("t", "a test library", folder=str(tmp_path))
+    assert lib.native("t_add")(2, 3) == 5
+    assert builds == ["cr-build-kernels"]  # one build, in the background thread

@@ -26,6 +26,7 @@ import torch
 from compile_runtime.config import CompilationConfig, EngineConfig, RunnerConfig
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.stats import PrefixCacheStats
+from compile_runtime.device import resolve_device
 from compile_runtime.engine.chat import chat_prompt_ids
 from compile_runtime.engine.core import EngineCore
 from compile_runtime.engine.data_parallel import DataParallelCore
@@ -35,6 +36,7 @@ from compile_runtime.engine.outputs import GenerateStats, RequestOutput
 from compile_runtime.executor import Executor, MultiprocExecutor, StandbyWorkers, make_executor
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
+from compile_runtime.ops.c_library import build_ahead
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
 
@@ -56,6 +58,8 @@ class LLM:
         ``options``: fields of ``RunnerConfig`` (max_num_seqs, kv_cache_bytes, ...) and of
         ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name;
         sizes left unset are chosen for the model and the machine (worker/kv_sizing.py)."""
+        if resolve_device(options.get("device")).type == "cpu":
+            build_ahead()  # the CPU kernels compile on the other core while the start goes on
         self.config: EngineConfig
         self.config, hf_config = decide_engine_config(model, compilation_config, dtype, options)
         dp_size = self.config.data_parallel_size

@@ -296,7 +296,12 @@ def gguf_model_dir(path: str, cache_dir: str | None = None) -> str:
     target = os.path.join(root, f"{os.path.basename(path)[:-5]}-{_source_key(path)}")
     if os.path.isdir(target):  # found: no need to parse the file (seconds for a big vocab)
         return target
-    reader = _reader(path)
+    try:  # the scalar metadata only: gguf's reader takes seconds over a 1B model's file
+        reader = read_index(path)
+    except Exception as e:  # a truncated or foreign file: numpy/struct errors of all kinds
+        raise _unreadable(path, e) from None
+    if reader is None:
+        reader = _reader(path)  # not a little-endian v2/v3 file: gguf's reader says why
     architecture(reader, path)
     os.makedirs(root, exist_ok=True)
     tmp = tempfile.mkdtemp(dir=root, prefix=".tmp-")

@@ -27,6 +27,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from typing import Any
 
 from compile_runtime.cache.location import cache_root
@@ -129,6 +130,49 @@ def _build(compiler: str, name: str, inputs: dict[str, bytes], path: str) -> Non
         os.replace(lib, path)
 
 
+# The libraries every CPU engine loads (graph replay, quantized and one-row linears, decode
+# attention): ``build_ahead`` starts them at an engine's start.
+ENGINE_LIBRARIES = ("graph_replay", "qgemm", "gemv", "paged_decode")
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _library_path(name: str, inputs: dict[str, bytes], compiler: str) -> str:
+    """Where library ``name`` built from ``inputs`` by ``compiler`` for this CPU lives."""
+    digest = hashlib.sha256(_sources_digest(inputs).encode())
+    digest.update("\0".join([" ".join(FLAGS), compiler, cpu_identity()]).encode())
+    return os.path.join(cache_root(), ".cpu_kernels", f"{name}_{digest.hexdigest()[:24]}.so")
+
+
+def _ensure_built(compiler: str, name: str, inputs: dict[str, bytes], path: str) -> None:
+    """Build ``path`` unless it is there; a build under way in another thread is waited for."""
+    with _locks_guard:
+        lock = _locks.setdefault(path, threading.Lock())
+    with lock:
+        if not os.path.exists(path):
+            _build(compiler, name, inputs, path)
+
+
+def build_ahead(names: tuple[str, ...] = ENGINE_LIBRARIES, folder: str = CSRC) -> None:
+    """Build those of ``names`` not built yet in a background thread: the compiler runs on
+    another core while the start reads and compiles the model (an empty cache's start builds
+    ~3 s of them); ``load_c_library`` waits for a build under way. Failures are left to the
+    load, which warns."""
+    compiler = c_compiler()
+    if compiler is None:
+        return
+
+    def build_all() -> None:
+        for name in names:
+            try:
+                inputs = _inputs(name, folder)
+                _ensure_built(compiler, name, inputs, _library_path(name, inputs, compiler))
+            except (OSError, ValueError, subprocess.CalledProcessError):
+                continue
+
+    threading.Thread(target=build_all, name="cr-build-kernels", daemon=True).start()
+
+
 def load_c_library(name: str, what: str, folder: str = CSRC) -> CLibrary | None:
     """``<folder>/<name>.c`` built (once per content of its files, compiler and CPU) and loaded
     with the declarations of ``<name>.h``; None with a warning naming ``what`` (the caller
@@ -142,12 +186,9 @@ def load_c_library(name: str, what: str, folder: str = CSRC) -> CLibrary | None:
     if compiler is None:
         logger.warning("no C compiler (cc/gcc, or $CC): %s uses torch ops", what)
         return None
-    digest = hashlib.sha256(_sources_digest(inputs).encode())
-    digest.update("\0".join([" ".join(FLAGS), compiler, cpu_identity()]).encode())
-    path = os.path.join(cache_root(), ".cpu_kernels", f"{name}_{digest.hexdigest()[:24]}.so")
+    path = _library_path(name, inputs, compiler)
     try:
-        if not os.path.exists(path):
-            _build(compiler, name, inputs, path)
+        _ensure_built(compiler, name, inputs, path)
         return CLibrary(path, os.path.join(folder, header), declarations)
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
