@@ -245,3 +245,37 @@ def test_cache_list_shows_and_clear_removes_packed_weights(model_dirs, tmp_path)
     cleared = subprocess.run([*cli, "clear"], capture_output=True, text=True)
     assert cleared.returncode == 0, cleared.stderr
     assert not os.path.exists(path)
+
+
+def test_a_warm_start_reads_traces_compiles_and_captures_nothing(model_dirs, tmp_path, monkeypatch):
+    """The second start of an Inductor-compiled model: weights mapped (the checkpoint never
+    opened), the saved program run (no Dynamo trace, no Inductor compile), no graph captured
+    (CPU graphs come at each size's second step); the same tokens."""
+    from compile_runtime.models import loader
+
+    model_dir = model_dirs("llama")
+    options = dict(dtype="float32", max_num_seqs=2, max_model_len=128, kv_cache_bytes=2**25)
+    config = {"backend": "inductor", "cache_dir": str(tmp_path)}
+    params = cr.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    cold = cr.LLM(model_dir, config, **options)
+    expected = [o.outputs[0].token_ids for o in cold.generate(PROMPTS, params, use_tqdm=False)]
+    cold.shutdown()
+
+    def no_reading(*args, **kwargs):
+        raise AssertionError("a warm start read the checkpoint")
+
+    monkeypatch.setattr(loader, "iterate_checkpoint", no_reading)
+    with cr.compilation_counter.expect(
+        num_graphs_seen=0,
+        num_inductor_compiles=0,
+        num_cudagraph_captured=0,
+        num_programs_loaded=1,
+        num_weight_files_mapped=1,
+    ):
+        warm = cr.LLM(model_dir, config, **options)
+    try:
+        assert warm.startup.saved_program and "captured on first use" in warm.startup.summary()
+        outs = warm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == expected
+    finally:
+        warm.shutdown()
