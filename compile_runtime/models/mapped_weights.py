@@ -10,8 +10,9 @@ and the file's layout version. A file made for any other key is never used.
 ``map_into`` gives the model its weights from the file: the quantization plan stored
 with them, each parameter a view of the mapping, quantized weights noted as already in the
 kernel's layout and AMX tile copies as already made, so ``pack_linear_weights`` only
-makes what cannot be stored (oneDNN's blocked copies). ``save`` writes the file after a
-full load. A damaged or foreign file is rebuilt with one warning; a file that cannot be
+makes what cannot be stored (oneDNN's blocked copies). ``save_and_map`` writes the file
+after a full load (whose weights were not moved into huge pages: the file's mapping is)
+and points the model at it, so the first process runs on the pages later ones share. A damaged or foreign file is rebuilt with one warning; a file that cannot be
 written (a full disk) costs one warning and nothing else.
 """
 
@@ -42,7 +43,7 @@ from compile_runtime.ops.c_library import cpu_identity
 from compile_runtime.ops.cpu_amx import amx_available
 from compile_runtime.ops.cpu_quant_formats import BY_NAME, QuantFormat
 from compile_runtime.ops.cpu_quant_gemm import kernel_available
-from compile_runtime.ops.packed_weights import lookup, record
+from compile_runtime.ops.packed_weights import forget, lookup, record
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,24 @@ class PackedWeightFile:
         logger.info("mapped %d weights from %s", len(params), self.path)
         return True
 
-    def save(self, model: nn.Module, plan: dict[str, QuantFormat]) -> None:
+    def save_and_map(self, model: nn.Module, plan: dict[str, QuantFormat]) -> None:
+        """``save``, then point the model's weights at the file (their loaded copies freed, the
+        records kept): this process runs on the pages later starts map."""
+        if not self.save(model, plan):
+            return
+        tensors = weight_file.open_mapped(self.path, self.key)
+        for name, param in model.named_parameters():
+            entry = lookup(param)
+            forget(param)
+            param.data = tensors[name][0]
+            if entry is not None:
+                amx = tensors.get(name + AMX_SUFFIX)
+                moved = record(param, onednn=entry.onednn, amx=entry.amx if amx is None else amx[0])
+                moved.kernels = entry.kernels
+
+    def save(self, model: nn.Module, plan: dict[str, QuantFormat]) -> bool:
         """Write the model's processed weights (after ``pack_linear_weights``); a failure to
-        write is a warning: the engine runs on from the weights it has."""
+        write is a warning (False): the engine runs on from the weights it has."""
         items = []
         for name, param in model.named_parameters():
             entry = lookup(param)
@@ -136,9 +152,10 @@ class PackedWeightFile:
                 self.path,
                 e,
             )
-            return
+            return False
         compilation_counter.num_weight_files_saved += 1
         logger.info("saved packed weights (%.1f MB) to %s", size / 1e6, self.path)
+        return True
 
 
 def _plan_of(tensors: dict[str, tuple[torch.Tensor, tuple[str, ...]]]) -> dict[str, QuantFormat]:

@@ -33,6 +33,7 @@ from compile_runtime.models.mapped_weights import PackedWeightFile
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
 from compile_runtime.ops.cpu_linear import pack_linear_weights
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
+from compile_runtime.ops.hugepages import moves_held_back
 from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
 
 logger = logging.getLogger(__name__)
@@ -268,7 +269,9 @@ def load_model(
                     plan = {}
                     if quantization != "none":
                         plan = model.quantize_weights(model_dir, quantization)
-                    model.load_weights(model_dir)
+                    # Into huge pages by the mapping of the file they are saved to, not a copy.
+                    with moves_held_back() if packed_file else contextlib.nullcontext():
+                        model.load_weights(model_dir)
         if not native:
             if gguf_file_in(model_dir) is not None:
                 raise GGUFError(
@@ -278,9 +281,10 @@ def load_model(
                 )
             model = TransformersCausalLM(model_dir, hf_config, dtype)
     if device.type == "cpu" and cpu_pack_weights:
-        pack_linear_weights(model)
+        with moves_held_back() if packed_file and not mapped else contextlib.nullcontext():
+            pack_linear_weights(model)
         if packed_file is not None and not mapped:
-            packed_file.save(model, plan)
+            packed_file.save_and_map(model, plan)
         if tuning_enabled(cpu_tune_kernels):
             tune_linear_kernels(model)
     logger.info(

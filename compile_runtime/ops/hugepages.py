@@ -13,8 +13,10 @@ mapping is ordinary memory and nothing is lost but the copy.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -34,13 +36,29 @@ def _whole_storage(p: torch.Tensor) -> bool:
     )
 
 
+_held_back = False
+
+
+@contextlib.contextmanager
+def moves_held_back() -> Iterator[None]:
+    """Inside, ``move_into_hugepages`` moves nothing: for weights that are written to a
+    packed-weight file and then mapped from it, with the same advice (``models/
+    mapped_weights.py``), the copy would be thrown away."""
+    global _held_back
+    previous, _held_back = _held_back, True
+    try:
+        yield
+    finally:
+        _held_back = previous
+
+
 def move_into_hugepages(params: list[nn.Parameter]) -> int:
     """Move the parameters' data into one huge-page mapping (``param.data`` swapped, values
-    unchanged); returns the bytes moved, 0 where huge pages cannot be asked for. The
-    mapping lives as long as any of the moved tensors."""
+    unchanged); returns the bytes moved, 0 where huge pages cannot be asked for (or moves
+    are held back). The mapping lives as long as any of the moved tensors."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     params = [p for p in {id(p): p for p in params}.values() if _whole_storage(p)]
-    if advice is None or not params:
+    if advice is None or not params or _held_back:
         return 0
     sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     mapping = mmap.mmap(-1, sum(sizes) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
