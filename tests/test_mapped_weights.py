@@ -242,6 +242,8 @@ def test_cache_list_shows_and_clear_removes_packed_weights(model_dirs, tmp_path)
     listed = subprocess.run([*cli, "list"], capture_output=True, text=True)
     assert listed.returncode == 0, listed.stderr
     assert os.path.basename(path) in listed.stdout and "packed weights" in listed.stdout
+    kept = subprocess.run([*cli, "prune", "--older-than", "30d"], capture_output=True, text=True)
+    assert kept.returncode == 0 and os.path.exists(path), kept.stderr
     cleared = subprocess.run([*cli, "clear"], capture_output=True, text=True)
     assert cleared.returncode == 0, cleared.stderr
     assert not os.path.exists(path)
@@ -279,3 +281,24 @@ def test_a_warm_start_reads_traces_compiles_and_captures_nothing(model_dirs, tmp
         assert [o.outputs[0].token_ids for o in outs] == expected
     finally:
         warm.shutdown()
+
+
+def test_prune_counts_packed_weights_and_takes_the_least_recently_mapped_first(
+    model_dirs, tmp_path
+):
+    from compile_runtime.cache import manage
+
+    cache = str(tmp_path)
+    small, large = model_dirs("llama", num_hidden_layers=1), model_dirs("llama")
+    _run(small, cache, dtype="float32")
+    _run(large, cache, dtype="float32")
+    old, new = sorted(_files(cache), key=os.path.getsize)  # the one-layer model's file first
+    os.utime(old, ns=(10**9, os.stat(old).st_mtime_ns))  # mapped long ago
+    _run(small, cache, dtype="float32")  # maps it: used now
+    assert os.stat(old).st_atime > os.stat(new).st_atime
+    entries = sum(
+        os.path.getsize(os.path.join(d, f)) for k in manage.key_dirs(cache)
+        for d, _, fs in os.walk(os.path.join(cache, k)) for f in fs
+    )  # fmt: skip
+    removed = manage.prune(cache, max_size=entries + os.path.getsize(old))
+    assert os.path.relpath(new, cache) in removed and os.path.exists(old)

@@ -12,10 +12,12 @@ import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from filelock import FileLock
 
+from compile_runtime.cache import weight_file
 from compile_runtime.cache.entry import (
     ARTIFACTS,
     FACTORS,
@@ -268,24 +270,32 @@ def prune(root: str, max_size: int | None = None, older_than: float | None = Non
     until the cache is at most ``max_size`` bytes."""
     if max_size is None and older_than is None:
         raise CacheError("prune needs --max-size and/or --older-than")
-    keys = sorted(key_dirs(root), key=lambda k: _last_used(root, k))
+    # (name, last used, bytes, remove): the entries, and the packed-weight files (last used:
+    # their access time, which a start that maps one sets)
+    items = [
+        (k, _last_used(root, k), _dir_size(os.path.join(root, k)), partial(_remove_key, root, k))
+        for k in key_dirs(root)
+    ]
+    for path, size, _ in weight_file.list_files(root):
+        name = os.path.relpath(path, root)
+        items.append((name, os.stat(path).st_atime, size, partial(os.unlink, path)))
+    items.sort(key=lambda item: item[1])
     removed = []
     now = time.time()
     if older_than is not None:
-        for k in list(keys):
-            if now - _last_used(root, k) > older_than:
-                _remove_key(root, k)
-                removed.append(k)
-                keys.remove(k)
+        for item in list(items):
+            if now - item[1] > older_than:
+                item[3]()
+                removed.append(item[0])
+                items.remove(item)
     if max_size is not None:
-        sizes = {k: _dir_size(os.path.join(root, k)) for k in keys}
-        total = sum(sizes.values())
-        for k in keys:
+        total = sum(item[2] for item in items)
+        for name, _, size, remove in items:
             if total <= max_size:
                 break
-            _remove_key(root, k)
-            removed.append(k)
-            total -= sizes[k]
+            remove()
+            removed.append(name)
+            total -= size
     return removed
 
 

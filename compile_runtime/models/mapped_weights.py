@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,7 @@ class PackedWeightFile:
             amx = tensors.get(name + AMX_SUFFIX)
             if PACKED in tensors[name][1] or amx is not None:
                 record(param, amx=None if amx is None else amx[0])
+        os.utime(self.path, ns=(time.time_ns(), os.stat(self.path).st_mtime_ns))  # for prune
         compilation_counter.num_weight_files_mapped += 1
         logger.info("mapped %d weights from %s", len(params), self.path)
         return True
