@@ -18,6 +18,7 @@ written (a full disk) costs one warning and nothing else.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -85,7 +86,8 @@ class PackedWeightFile:
 
     def map_into(self, model: nn.Module) -> bool:
         """Fill ``model``'s parameters from the file; False (and the model untouched) when
-        there is no usable file."""
+        there is no usable file (a damaged or foreign one: one warning). A file of this key
+        that does not fit the model (which the key rules out) is an error, never used."""
         if not os.path.exists(self.path):
             return False
         try:
@@ -114,7 +116,8 @@ class PackedWeightFile:
             amx = tensors.get(name + AMX_SUFFIX)
             if PACKED in tensors[name][1] or amx is not None:
                 record(param, amx=None if amx is None else amx[0])
-        os.utime(self.path, ns=(time.time_ns(), os.stat(self.path).st_mtime_ns))  # for prune
+        with contextlib.suppress(OSError):  # last used, for prune (a read-only cache: not)
+            os.utime(self.path, ns=(time.time_ns(), os.stat(self.path).st_mtime_ns))
         compilation_counter.num_weight_files_mapped += 1
         logger.info("mapped %d weights from %s", len(params), self.path)
         return True
