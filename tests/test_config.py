@@ -258,6 +258,7 @@ FIELD_MUTATIONS = {
     "cudagraph_capture_sizes": [1, 2, 4],
     "max_cudagraph_capture_size": 64,
     "cudagraph_num_warmups": 3,
+    "lazy_capture": False,
     "cache_dir": "/elsewhere",
     "disable_cache": True,
     "pass_config": {"enable_fusion": False},  # every flag: test_passes.py
