@@ -182,9 +182,10 @@ def packed_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tens
     """oneDNN's blocked copy of a float32 ``weight`` and the AMX kernel's of a bf16 one (None
     without AMX); an AMX copy already recorded for it (mapped from a packed-weight file) is
     kept. A bf16 weight gets no oneDNN copy: it would double the model's memory, and above
-    the GEMV's and AMX's rows ``F.linear`` (oneDNN on the plain weight) is about as fast
-    (within ~20% at 16-64 rows, faster at 256, measured on a Zen 4), where for float32 MKL's
-    sgemm is 2-3x slower than oneDNN's blocked copy."""
+    the GEMV's and AMX's rows ``F.linear`` (oneDNN on the plain weight) is close (a linear
+    ~20% slower at 16-64 rows, faster at 256; SmolLM2 bf16 6-9% slower at batch 16 and on a
+    mixed load, on a Zen 4), where for float32 MKL's sgemm is 2-3x slower than oneDNN's
+    blocked copy."""
     entry = lookup(weight)
     with torch.no_grad():
         onednn = None
