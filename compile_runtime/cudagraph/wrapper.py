@@ -5,8 +5,9 @@ graphs (around each compiled piece). It never decides anything: the forward
 context says which runtime mode and descriptor this step has (the dispatcher
 set them), and the wrapper replays, captures, or calls straight through.
 
-Capture is allowed only while start-up capture is on
-(``cudagraph_capturing_enabled``); a missing graph during serving is an error.
+Capture is allowed only while capture is on (``cudagraph_capturing_enabled``): at
+start-up, or for CPU graphs at a size's second step (``capture.LazyCapture``); a graph
+missing at any other time is an error.
 
 The graph implementation comes from a small factory, ``torch.cuda.CUDAGraph``
 by default; a wrapper (and a compiled model, ``decorator.set_graph_factory``)
@@ -265,8 +266,9 @@ class CUDAGraphWrapper:
                 "descriptors the dispatcher lists; a batch with another descriptor means the "
                 "dispatcher and the captured graphs disagree"
             )
-        # A CPU capture runs the step for real after start-up's first forward has warmed every
-        # path up: warm-ups would only double its time (anything lazy left refuses capture).
+        # A CPU capture runs the step for real after start-up's first forward (or, captured on
+        # first use, the size's own first step) has warmed every path up: warm-ups would only
+        # double its time (anything lazy left refuses capture).
         warmups = 0 if getattr(self.factory, "capture_runs_work", False) else self.num_warmups
         for _ in range(warmups):
             self.runnable(*args, **kwargs)
