@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import tempfile
-from typing import Any
+from collections.abc import Iterator
+from typing import Any, BinaryIO
 
 
 def file_sha256(path: str) -> str:
@@ -17,14 +19,16 @@ def file_sha256(path: str) -> str:
     return digest.hexdigest()
 
 
-def write_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
+@contextlib.contextmanager
+def atomic_file(path: str) -> Iterator[BinaryIO]:
+    """``with atomic_file(path) as f:`` write ``f``; readers see the old file or the whole new
+    one (written to a temporary file beside it, synced, renamed); an error leaves nothing."""
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -32,6 +36,12 @@ def write_atomic(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` so readers see the old file or the whole new one."""
+    with atomic_file(path) as f:
+        f.write(data)
 
 
 def write_json(path: str, obj: Any) -> None:

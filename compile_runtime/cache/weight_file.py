@@ -23,12 +23,13 @@ import json
 import mmap
 import os
 import struct
-import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from compile_runtime.cache.files import atomic_file
 
 MAGIC = b"CRWEIGHTS\x00"
 LAYOUT_VERSION = 1
@@ -113,24 +114,13 @@ def write(
     head = len(MAGIC) + 8 + 32
     data_start = _round_up(head + len(header_for(0)) + 64, HUGE_PAGE)  # + its own digits
     header = header_for(data_start)
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(header)) + header)
-            f.write(hashlib.sha256(header).digest())
-            for (_, t, _), entry in zip(items, entries, strict=True):
-                f.seek(data_start + entry["offset"])
-                f.write(memoryview(t.detach().contiguous().view(torch.uint8).numpy()))
-            f.truncate(data_start + data_bytes)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    with atomic_file(path) as f:
+        f.write(MAGIC + struct.pack("<Q", len(header)) + header)
+        f.write(hashlib.sha256(header).digest())
+        for (_, t, _), entry in zip(items, entries, strict=True):
+            f.seek(data_start + entry["offset"])
+            f.write(memoryview(t.detach().contiguous().view(torch.uint8).numpy()))
+        f.truncate(data_start + data_bytes)
     return data_start + data_bytes
 
 
