@@ -300,7 +300,7 @@ class LatencyBench:
     def _dispatcher(self, sizes: list[int]):
         from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 
-        config = self.config.model_copy(update={"cudagraph_capture_sizes": sizes})
+        config = self.config.replace(cudagraph_capture_sizes=sizes)
         dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)
         dispatcher.initialize_keys(self.mode)
         return dispatcher

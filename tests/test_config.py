@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 import compile_runtime as cr
-from compile_runtime.config import CudagraphModeError, parse_config
+from compile_runtime.config import CudagraphModeError, FrozenConfigError, parse_config
 from compile_runtime.planner.capture_sizes import resolve_capture_sizes
 from compile_runtime.planner.sizes import default_capture_sizes
 
@@ -303,3 +303,41 @@ def test_set_compilation_config_nests():
 def test_default_ladder():
     assert default_capture_sizes(8) == [1, 2, 4, 8]
     assert default_capture_sizes(3) == [1, 2]
+
+
+def test_compilation_config_is_frozen():
+    """Assigning a field raises, naming the field and ``replace``; nothing drifts after build."""
+    config = cr.CompilationConfig(cudagraph_mode="PIECEWISE", compile_sizes=[4, 2])
+    with pytest.raises(FrozenConfigError, match=r"CompilationConfig\.mode=.*replace\(mode="):
+        config.mode = cr.CompilationMode.NONE
+    with pytest.raises(AttributeError, match=r"pass_config=\{'enable_fusion'"):
+        config.pass_config.enable_fusion = False
+    with pytest.raises(AttributeError, match="cache_dir"):
+        del config.cache_dir
+    assert config.mode == cr.CompilationMode.PIECEWISE and config.pass_config.enable_fusion
+    assert hash(config) == hash(
+        cr.CompilationConfig(cudagraph_mode="PIECEWISE", compile_sizes=[2, 4])
+    )
+    assert {config: 1}[config.replace()] == 1
+
+
+def test_replace_validates_and_keeps_what_was_set():
+    config = cr.CompilationConfig(cudagraph_mode="PIECEWISE")
+    changed = config.replace(backend="eager", compile_sizes=[8, 2, 8])
+    assert (changed.backend, changed.compile_sizes, config.backend) == ("eager", [2, 8], "inductor")
+    # resolve() tells an explicit cudagraph_mode from the default: replace keeps it explicit
+    assert changed.model_fields_set == {"cudagraph_mode", "backend", "compile_sizes"}
+    assert "cudagraph_mode" not in cr.CompilationConfig().replace(backend="eager").model_fields_set
+    for bad in ({"compile_sizes": [-1]}, {"max_cudagraph_capture_size": 0}, {"no_such": 1}):
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            config.replace(**bad)
+        with pytest.raises(ValidationError, match=next(iter(bad))):
+            config.model_copy(update=bad)  # validated too, unlike pydantic's
+
+
+def test_active_config_is_the_frozen_object():
+    config = cr.CompilationConfig(backend="eager")
+    with cr.set_compilation_config(config):
+        with pytest.raises(AttributeError, match="replace"):
+            cr.get_compilation_config().backend = "inductor"
+    assert config.backend == "eager"

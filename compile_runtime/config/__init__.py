@@ -4,8 +4,9 @@
 * ``modes``: ``CompilationMode``, ``CUDAGraphMode``, ``AttentionCGSupport`` and
   ``resolve_cudagraph_mode``, the policy that downgrades a requested graph mode to what
   can run (``ResolvedModes``, ``CudagraphModeError``);
-* ``compilation``: ``CompilationConfig`` (what the user sets, hashed into the cache key),
-  ``PassConfig``, the Inductor option check, the ``auto:FILE[:K]`` capture-size spec,
+* ``compilation``: ``CompilationConfig`` (what the user sets, hashed into the cache key;
+  frozen, ``replace`` makes a changed one, ``FrozenConfigError``), ``PassConfig``, the
+  Inductor option check, the ``auto:FILE[:K]`` capture-size spec,
   ``parse_config``;
 * ``active``: the config models constructed inside ``set_compilation_config`` use;
 * ``engine``: ``RunnerConfig``, ``SpeculativeConfig``, ``EngineConfig`` and their
@@ -19,6 +20,7 @@ from compile_runtime.config.compilation import (
     AUTO_PREFIX,
     AutoSpec,
     CompilationConfig,
+    FrozenConfigError,
     PassConfig,
     check_inductor_options,
     parse_auto_spec,
@@ -53,6 +55,7 @@ __all__ = [
     "ConfigError",
     "CudagraphModeError",
     "EngineConfig",
+    "FrozenConfigError",
     "PassConfig",
     "ResolvedModes",
     "RunnerConfig",

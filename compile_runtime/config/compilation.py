@@ -1,7 +1,8 @@
 """What the user sets about compiling: ``CompilationConfig`` and its parts.
 
-Pydantic, unknown fields rejected. ``CompilationConfig.resolve`` asks ``modes`` which of the
-requested CUDA graphs can run; ``parse_config`` reads the ``-O`` JSON string.
+Pydantic, unknown fields rejected, frozen once built: a changed value is a new config,
+``config.replace(field=...)`` (validated again). ``CompilationConfig.resolve`` asks ``modes``
+which of the requested CUDA graphs can run; ``parse_config`` reads the ``-O`` JSON string.
 """
 
 from __future__ import annotations
@@ -31,7 +32,30 @@ from compile_runtime.config.modes import (
 )
 
 
-class PassConfig(BaseModel):
+class FrozenConfigError(AttributeError):
+    """A field of a frozen config assigned (or deleted) after construction."""
+
+
+class _FrozenModel(BaseModel):
+    """Frozen after construction: assigning a field raises ``FrozenConfigError``, which names
+    the field and the way to a changed config (``CompilationConfig.replace``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    # How to get a config with field {name} changed, for the error.
+    _REPLACE_HINT: ClassVar[str] = "compilation_config.replace({name}=...)"
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise FrozenConfigError(f"{type(self).__name__}.{name}={value!r}: {self._frozen(name)}")
+
+    def __delattr__(self, name: str) -> None:
+        raise FrozenConfigError(f"{type(self).__name__}.{name}: {self._frozen(name)}")
+
+    def _frozen(self, name: str) -> str:
+        hint = self._REPLACE_HINT.format(name=name)
+        return f"the config is frozen once built; build a changed one with {hint}"
+
+
+class PassConfig(_FrozenModel):
     """One flag per graph pass (see passes/manager.py for the pipeline and its order).
 
     A fusion flag of None means "auto": on for graphs on CUDA, off elsewhere.
@@ -40,7 +64,7 @@ class PassConfig(BaseModel):
     ``enable_fusion=False`` turns every fusion off whatever its own flag says.
     """
 
-    model_config = ConfigDict(extra="forbid")
+    _REPLACE_HINT: ClassVar[str] = "compilation_config.replace(pass_config={{{name!r}: ...}})"
 
     enable_noop_elimination: bool = True
     enable_fusion: bool = True
@@ -115,10 +139,12 @@ def parse_auto_spec(spec: str) -> AutoSpec:
     return AutoSpec(path, k)
 
 
-class CompilationConfig(BaseModel):
-    """What the user sets. Loads from a dict, JSON, or a ``-O`` JSON string."""
+class CompilationConfig(_FrozenModel):
+    """What the user sets. Loads from a dict, JSON, or a ``-O`` JSON string.
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    Frozen: every reader (the engine, each worker, the models built inside
+    ``set_compilation_config``) sees the value it was built with; ``replace`` makes a
+    changed one. Hashable (equal configs hash equal)."""
 
     mode: CompilationMode = CompilationMode.PIECEWISE
     backend: Literal["inductor", "eager"] = "inductor"
@@ -197,6 +223,26 @@ class CompilationConfig(BaseModel):
                 f"{max_size}; set only one of them, or make them agree"
             )
         return self
+
+    # ---- a changed config ------------------------------------------------
+
+    def replace(self, **changes: Any) -> CompilationConfig:
+        """A new config: this one with ``changes``, every validator run again. The fields set
+        stay set (``resolve`` tells an explicit ``cudagraph_mode`` from the default)."""
+        data = self.model_dump(exclude_unset=True)
+        data.update(changes)
+        return type(self).model_validate(data)
+
+    def model_copy(
+        self, *, update: dict[str, Any] | None = None, deep: bool = False
+    ) -> CompilationConfig:
+        """pydantic's copy, except that an ``update`` is validated (``replace``)."""
+        if update:
+            return self.replace(**update)
+        return super().model_copy(deep=deep)
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True, default=str))
 
     # ---- derived values -------------------------------------------------
 

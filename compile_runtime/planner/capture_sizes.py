@@ -112,4 +112,4 @@ def cpu_capture_config(config: CompilationConfig) -> CompilationConfig:
     unless it names its own sizes or cap."""
     if config.cudagraph_capture_sizes is not None or config.max_cudagraph_capture_size is not None:
         return config
-    return config.model_copy(update={"max_cudagraph_capture_size": CPU_MAX_CAPTURE_SIZE})
+    return config.replace(max_cudagraph_capture_size=CPU_MAX_CAPTURE_SIZE)
