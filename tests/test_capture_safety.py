@@ -20,7 +20,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import compile_runtime as cr
-from compile_runtime.cli import main
+from compile_runtime.cli.main import main
 from compile_runtime.compiler import capture_safety as cs
 from compile_runtime.compiler.decorator import compiled_model, set_graph_factory
 from compile_runtime.config import AttentionCGSupport, CompilationConfig

@@ -44,11 +44,12 @@ def test_serve_on_a_cpu_runs_the_model_in_a_worker_process(monkeypatch):
     """serve's default executor on a CPU is mp (the step loop off the server's GIL); an
     explicit --distributed-executor-backend is kept."""
     import compile_runtime.server.run as run
-    from compile_runtime import cli
+    from compile_runtime.cli import main as cli
+    from compile_runtime.cli import serve
 
     seen = []
     monkeypatch.setattr(
-        cli, "engine_from_args", lambda args: seen.append(args.distributed_executor_backend)
+        serve, "engine_from_args", lambda args: seen.append(args.distributed_executor_backend)
     )
     monkeypatch.setattr(run, "serve", lambda args, llm: 0)
     assert cli.main(["serve", "--model", "m", "--device", "cpu"]) == 0
@@ -58,7 +59,7 @@ def test_serve_on_a_cpu_runs_the_model_in_a_worker_process(monkeypatch):
 
 
 def test_quantization_reaches_the_engine(monkeypatch):
-    from compile_runtime import cli
+    from compile_runtime.cli import main as cli
     from compile_runtime.engine import llm as llm_module
 
     seen = []

@@ -32,7 +32,7 @@ import compile_runtime as cr
 import compile_runtime.compiler.graph_compiler
 from compile_runtime.cache import manage
 from compile_runtime.cache.key import compute_key
-from compile_runtime.cli import format_error, main
+from compile_runtime.cli.main import format_error, main
 from compile_runtime.config import (
     AttentionCGSupport,
     CompilationMode,

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.cli import main
+from compile_runtime.cli.main import main
 from compile_runtime.config import CompilationConfig
 from compile_runtime.models.registry import load_model
 from compile_runtime.ops import cpu_linear, kernel_tuning

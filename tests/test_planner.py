@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compile_runtime as cr
-from compile_runtime.cli import main
+from compile_runtime.cli.main import main
 from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.planner import (
     Workload,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import compile_runtime as cr
-from compile_runtime.cli import main as cli_main
+from compile_runtime.cli.main import main as cli_main
 from compile_runtime.models.gguf import gguf_model_dir, gguf_tensors
 
 pytestmark = pytest.mark.slow

@@ -347,7 +347,7 @@ def test_speculative_config_errors_name_the_field():
 
 
 def test_cli_generate_reports_acceptance(model_dirs, capsys):
-    from compile_runtime.cli import main
+    from compile_runtime.cli.main import main
 
     code = main(
         [

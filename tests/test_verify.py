@@ -13,7 +13,7 @@ from torch.utils._pytree import tree_leaves
 
 import compile_runtime as cr
 import compile_runtime.compiler.graph_compiler as backend_module
-from compile_runtime.cli import main
+from compile_runtime.cli.main import main
 from compile_runtime.compiler.decorator import set_graph_factory
 from compile_runtime.verify.compare import VerifyError, compare, tolerance_for
 from compile_runtime.verify.model_dir import check_model_dir

@@ -4,8 +4,8 @@
 ``entry`` (one model's compiled pieces on one rank under one key), ``files`` (crash-safe
 writes and checksums), ``kernels`` (Inductor's compiled C++ kernels shipped with an entry), ``weight_file``
 (packed-weight files: a model's processed weights, mapped at later starts);
-``manage`` (inspect and manage the cache), ``archive`` (export/import an entry between
-machines) and ``cli`` (``compile-runtime cache ...``).
+``manage`` (inspect and manage the cache) and ``archive`` (export/import an entry between
+machines); ``compile-runtime cache ...`` is in ``compile_runtime/cli/cache.py``.
 """
 
 from compile_runtime.cache.entry import CacheEntry, open_entry

@@ -8,7 +8,7 @@ without a graph and are reported as uncovered.
 
 ``workload`` (the recorded step-size histogram), ``sizes`` (the exact dynamic program that
 picks the sizes), ``capture_sizes`` (a config's capture sizes resolved at start-up,
-``"auto:FILE"`` included) and ``cli`` (``compile-runtime plan-sizes``).
+``"auto:FILE"`` included); ``compile-runtime plan-sizes`` is in ``compile_runtime/cli/``.
 """
 
 from __future__ import annotations

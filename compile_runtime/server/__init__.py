@@ -24,7 +24,8 @@ In the order a request goes through it:
 * ``streaming.py``: following the choices' requests, whole or as server-sent events.
 * ``choice.py``: one choice's text, detokenized incrementally and cut at stop strings.
 * ``openai_format.py``: the response bodies and stream chunks; ``logprobs.py`` their logprobs.
-* ``errors.py``: OpenAI-shaped error bodies and the app's error handlers, on every path.
+* ``api_error.py``: the error a handler raises and its OpenAI-shaped body (no web framework needed).
+* ``errors.py``: the app's error handlers, so every path answers in that shape.
 * ``metrics.py``: the Prometheus ``/metrics``.
 * ``responses.py``: ``/v1/responses`` on the chat pipeline; ``response_items.py`` its objects,
   ``response_events.py`` its stream's events, ``response_store.py`` the responses kept.

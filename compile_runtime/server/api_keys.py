@@ -16,7 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from compile_runtime.server.errors import error_body
+from compile_runtime.server.api_error import error_body
 
 ENV_VARIABLES = ("VLLM_API_KEY", "COMPILE_RUNTIME_API_KEY")
 OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})

@@ -22,10 +22,11 @@ from fastapi.responses import JSONResponse, Response
 
 from compile_runtime.server import tokenization
 from compile_runtime.server.access_log import AccessLog
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.api_keys import ApiKeyAuth
 from compile_runtime.server.chat_completions import chat as chat_completions
 from compile_runtime.server.completions import completions as text_completions
-from compile_runtime.server.errors import APIError, add_error_handlers
+from compile_runtime.server.errors import add_error_handlers
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import (
     ChatCompletionRequest,

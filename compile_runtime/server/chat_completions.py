@@ -11,6 +11,7 @@ from typing import Any
 
 from compile_runtime.server import logprobs, openai_format
 from compile_runtime.server.access_log import TokenCounts
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     chat_token_ids,
@@ -18,7 +19,6 @@ from compile_runtime.server.engine_inputs import (
     output_constraint,
     sampling_params,
 )
-from compile_runtime.server.errors import APIError
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import ChatCompletionRequest
 from compile_runtime.server.streaming import collect, event_stream

@@ -8,6 +8,7 @@ from typing import Any
 
 from compile_runtime.server import logprobs, openai_format
 from compile_runtime.server.access_log import TokenCounts
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     DEFAULT_COMPLETION_TOKENS,
@@ -15,7 +16,6 @@ from compile_runtime.server.engine_inputs import (
     prompt_token_ids,
     sampling_params,
 )
-from compile_runtime.server.errors import APIError
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import CompletionRequest
 from compile_runtime.server.streaming import collect, event_stream

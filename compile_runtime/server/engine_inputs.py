@@ -11,7 +11,7 @@ from pydantic import ValidationError
 
 from compile_runtime.core.sampling_params import SamplingParams, StructuredOutputsParams
 from compile_runtime.engine.chat import ChatTemplateError, chat_prompt_ids
-from compile_runtime.server.errors import APIError
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
 from compile_runtime.server.structured import GUIDED, ConstraintError, constraint_of
 

@@ -5,28 +5,13 @@ and its message names the field the user sent."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-
-
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    kind = {404: "not_found_error", 503: "overloaded_error"}.get(
-        status, "invalid_request_error" if status < 500 else "server_error"
-    )
-    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+from compile_runtime.server.api_error import APIError, error_body
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:

@@ -15,9 +15,9 @@ from compile_runtime.engine.worker_restarts import WorkerRestarts
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server import tool_parsers
 from compile_runtime.server.access_log import TokenCounts
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import check_length
-from compile_runtime.server.errors import APIError
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
 from compile_runtime.server.response_store import ResponseStore

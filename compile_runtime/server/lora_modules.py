@@ -16,7 +16,7 @@ from typing import Any
 
 from compile_runtime.lora.adapter import LoRAAdapterError
 from compile_runtime.lora.request import LoRARequest
-from compile_runtime.server.errors import APIError
+from compile_runtime.server.api_error import APIError
 
 # vLLM's switch for the runtime routes; COMPILE_RUNTIME_ALLOW_RUNTIME_LORA_UPDATING the same.
 RUNTIME_UPDATING_VARIABLES = (

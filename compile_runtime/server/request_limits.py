@@ -10,7 +10,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from compile_runtime.server.errors import APIError, error_body
+from compile_runtime.server.api_error import APIError, error_body
 from compile_runtime.server.protocol import CompletionRequest, SamplingFields
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from compile_runtime.server.errors import APIError
+from compile_runtime.server.api_error import APIError
 
 STORE_SIZE = 1000  # responses kept for previous_response_id / GET
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from typing import Any
 
 from compile_runtime.server.access_log import TokenCounts
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.chat_completions import chat
-from compile_runtime.server.errors import APIError
 from compile_runtime.server.handlers import Server
 from compile_runtime.server.protocol import ChatCompletionRequest, ResponsesRequest
 from compile_runtime.server.response_events import stream_events

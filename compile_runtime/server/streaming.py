@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Callable
 from fastapi.responses import StreamingResponse
 
 from compile_runtime.engine.async_engine import AsyncEngine, ErrorEvent, FinishEvent, TokenEvent
+from compile_runtime.server.api_error import APIError, error_body
 from compile_runtime.server.choice import Choice
-from compile_runtime.server.errors import APIError, error_body
 
 # (choice, text piece, finish reason or None) -> the chunk's body
 MakeChunk = Callable[[Choice, str, str | None], dict]

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.engine_inputs import chat_token_ids
-from compile_runtime.server.errors import APIError
 from compile_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 
 

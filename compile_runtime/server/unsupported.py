@@ -9,7 +9,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from compile_runtime.server.errors import APIError
+from compile_runtime.server.api_error import APIError
 from compile_runtime.server.protocol import OpenAIModel, SamplingFields
 
 logger = logging.getLogger(__name__)

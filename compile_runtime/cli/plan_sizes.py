@@ -2,7 +2,7 @@
 
     compile-runtime plan-sizes --workload FILE --max-graphs K [--max-size N] [--json]
 
-``register(sub)`` adds it to the top-level parser (compile_runtime/cli.py).
+``register(sub)`` adds it to the top-level parser (compile_runtime/cli/main.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import json
 from typing import Any
 
-from compile_runtime.argtypes import positive_int
+from compile_runtime.cli.argtypes import positive_int
 from compile_runtime.planner.sizes import DEFAULT_MAX_CAPTURE_SIZE, plan_report
 from compile_runtime.planner.workload import load_workload
 from compile_runtime.table import format_table

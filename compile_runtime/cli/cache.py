@@ -11,9 +11,9 @@ from typing import Any
 
 from compile_runtime.cache import archive, manage, weight_file
 from compile_runtime.cache.location import cache_root, check_root
+from compile_runtime.cli.tune import describe
 from compile_runtime.ops.kernel_tuning import TuningTable, list_tables
 from compile_runtime.table import format_table
-from compile_runtime.tune_cli import describe
 
 _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _AGE = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}

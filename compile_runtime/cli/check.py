@@ -3,7 +3,7 @@
     compile-runtime check --model DIR [-O JSON] [--tokens N] [--dtype D] [--json]
     compile-runtime check --capture-safety --model DIR [--use-transformers] [--json]
 
-``register(sub)`` adds it to the top-level parser (compile_runtime/cli.py).
+``register(sub)`` adds it to the top-level parser (compile_runtime/cli/main.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from compile_runtime.argtypes import non_negative_float, positive_int
+from compile_runtime.cli.argtypes import non_negative_float, positive_int
 from compile_runtime.config import parse_config
 from compile_runtime.models.gguf import model_directory
 from compile_runtime.verify.capture import check_capture_model_dir

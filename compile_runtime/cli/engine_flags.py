@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from compile_runtime.argtypes import device, float_in, positive_int, positive_int_list
+from compile_runtime.cli.argtypes import device, float_in, positive_int, positive_int_list
 from compile_runtime.config import parse_config
 from compile_runtime.models.dtype import DTYPE_CHOICES
 

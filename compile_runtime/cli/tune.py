@@ -6,7 +6,7 @@
 An engine does this by itself at its first start on a machine (``ops/kernel_tuning.py``);
 ``tune`` measures again (after a change of machine load, threads or BIOS settings) and
 replaces the saved table, so the next start reads the new one.
-``register(sub)`` adds it to the top-level parser (compile_runtime/cli.py).
+``register(sub)`` adds it to the top-level parser (compile_runtime/cli/main.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from compile_runtime.argtypes import positive_int
+from compile_runtime.cli.argtypes import positive_int
 from compile_runtime.models.dtype import DTYPE_CHOICES
 from compile_runtime.ops.kernel_tuning import BUDGET_S, TuningTable, tune_linear_kernels
 from compile_runtime.table import format_table
@@ -60,14 +60,14 @@ def cmd_tune(args: argparse.Namespace) -> int:
     from compile_runtime.worker.cpu_threads import set_num_threads
 
     options = {"device": "cpu", "num_threads": args.num_threads, "quantization": args.quantization}
-    config, hf_config = decide_engine_config(args.model, None, args.dtype, options)
+    config = decide_engine_config(args.model, None, args.dtype, options)
     set_num_threads(config.runner_config, torch.device("cpu"), 1)
     model = load_model(
         config.model_dir,
         CompilationConfig(),
         dtype=config.dtype,
         device="cpu",
-        hf_config=hf_config,
+        hf_config=config.hf_config,
         quantization=config.runner_config.quantization,
     )
     table = tune_linear_kernels(model, root=args.cache_dir, budget_s=args.budget_s, remeasure=True)

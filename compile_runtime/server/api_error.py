@@ -1,0 +1,24 @@
+"""The error a request handler raises, and the OpenAI-shaped body it becomes.
+
+Apart from ``errors`` (which installs the handlers on the app) so that code which only
+refuses a request, such as the request limits the command line reads, needs no web
+framework installed."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
+    kind = {404: "not_found_error", 503: "overloaded_error"}.get(
+        status, "invalid_request_error" if status < 500 else "server_error"
+    )
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
