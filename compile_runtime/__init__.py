@@ -6,7 +6,8 @@ engine flags ``generate`` and ``serve`` share, and the ``LLM`` they build) and `
 measured for a model); ``table`` (plain-text tables for the CLI and benchmarks);
 ``device`` (the default device: CUDA if present, else the CPU); ``forward_context``
 (per-step state layers read during a forward); ``counters`` (what the compiler and graph
-wrappers did, for tests); ``version`` (the package version).
+wrappers did, for tests); ``version`` (the package version); ``torch_internals`` (every
+use of PyTorch's private APIs, behind one fence, and the supported torch versions).
 """
 
 from __future__ import annotations

@@ -27,10 +27,8 @@ import torch
 import torch.fx
 from compile_runtime.passes.base import GraphPass
 from compile_runtime.passes.matching import aten, erase_unused, is_op, position, propagate_val
-from torch._higher_order_ops.auto_functionalize import (
-    auto_functionalized,
-    auto_functionalized_v2,
-)
+
+from compile_runtime.torch_internals import auto_functionalized, auto_functionalized_v2, op_schema
 
 # Ops whose output shares its input's storage (input is args[0]).
 VIEW_OPS = (
@@ -127,11 +125,13 @@ def safe_to_mutate(
 
 
 def _mutable_args(op) -> list[torch.Argument]:
-    return [a for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
+    return [
+        a for a in op_schema(op).arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
 
 
 def _num_outputs(op) -> int:
-    return max(1, len(op._schema.returns))
+    return max(1, len(op_schema(op).returns))
 
 
 class FixFunctionalizationPass(GraphPass):
@@ -161,7 +161,7 @@ class FixFunctionalizationPass(GraphPass):
         ):
             return None  # tensor lists
         kwargs = {
-            a.name: node.kwargs[a.name] for a in op._schema.arguments if a.name in node.kwargs
+            a.name: node.kwargs[a.name] for a in op_schema(op).arguments if a.name in node.kwargs
         }
         return op, kwargs, [kwargs.get(a.name) for a in mutable], []
 
@@ -169,7 +169,7 @@ class FixFunctionalizationPass(GraphPass):
         op = node.args[0]
         bases = list(node.kwargs["_all_bases"])
         kwargs, created = {}, []
-        for a in op._schema.arguments:
+        for a in op_schema(op).arguments:
             if a.name in node.kwargs:
                 kwargs[a.name] = node.kwargs[a.name]
         for a in _mutable_args(op):
@@ -227,7 +227,7 @@ class FixFunctionalizationPass(GraphPass):
             propagate_val(call)
         except Exception:  # the value is only informative; Inductor recomputes it
             call.meta.pop("val", None)
-        n_out, returns = _num_outputs(op), len(op._schema.returns)
+        n_out, returns = _num_outputs(op), len(op_schema(op).returns)
         for user in list(node.users):
             if not _is_getitem(user):
                 raise RuntimeError(f"unexpected use of {node.name}: {user.format_node()}")

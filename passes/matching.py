@@ -14,7 +14,14 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._ops import OpOverload, OpOverloadPacket
+
+from compile_runtime.torch_internals import (
+    OpOverload,
+    OpOverloadPacket,
+    detect_fake_mode,
+    statically_known_true,
+    tree_leaves,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -58,9 +65,7 @@ def sym_equal(a: Any, b: Any) -> bool:
         ):
             return False
         return len(a) == len(b) and all(sym_equal(x, y) for x, y in zip(a, b, strict=True))
-    from torch.fx.experimental.symbolic_shapes import statically_known_true  # sympy: lazily
-
-    return bool(statically_known_true(a == b))
+    return statically_known_true(a == b)  # loads sympy
 
 
 def same_shape(a: Any, b: Any) -> bool:
@@ -119,7 +124,7 @@ def dtype_of(node: Any) -> torch.dtype | None:
 
 def fake_mode_of(graph: torch.fx.Graph):
     vals = [tensor_val(n) for n in graph.nodes]
-    return torch._guards.detect_fake_mode([v for v in vals if v is not None])
+    return detect_fake_mode([v for v in vals if v is not None])
 
 
 def propagate_val(node: torch.fx.Node) -> None:
@@ -130,9 +135,7 @@ def propagate_val(node: torch.fx.Node) -> None:
     if node.target is operator.getitem:
         node.meta["val"] = args[0][args[1]] if args[0] is not None else None
         return
-    mode = torch._guards.detect_fake_mode(
-        [a for a in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    )
+    mode = detect_fake_mode([a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)])
     if mode is None:
         return
     with mode:

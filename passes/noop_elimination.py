@@ -40,6 +40,8 @@ from compile_runtime.passes.matching import (
     tensor_val,
 )
 
+from compile_runtime.torch_internals import tree_leaves
+
 # ATen ops that return their input, or a view of it, when nothing changes.
 ATEN_NOOP_CANDIDATES = (
     aten.view.default,
@@ -176,7 +178,7 @@ def _merge_slices(inner: torch.fx.Node, outer: torch.fx.Node) -> tuple | None:
 def _outputs_and_inputs(graph: torch.fx.Graph) -> tuple[set, set]:
     outputs: set[torch.fx.Node] = set()
     for node in graph.find_nodes(op="output"):
-        for arg in torch.utils._pytree.tree_leaves(node.args):
+        for arg in tree_leaves(node.args):
             if isinstance(arg, torch.fx.Node):
                 outputs.add(arg)
     return outputs, set(graph.find_nodes(op="placeholder"))

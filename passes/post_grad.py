@@ -8,10 +8,11 @@ import json
 import torch.fx
 from compile_runtime.passes.base import Phase
 from compile_runtime.passes.manager import PassManager
-from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from compile_runtime.torch_internals import inductor_custom_graph_pass
 
 
-class PostGradPass(CustomGraphPass):
+class PostGradPass(inductor_custom_graph_pass()):
     """Inductor's ``post_grad_custom_post_pass`` for one compile of one piece."""
 
     def __init__(self, manager: PassManager, runtime_shape: int | None):

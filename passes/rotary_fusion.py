@@ -43,9 +43,9 @@ from compile_runtime.passes.matching import (
     sym_equal,
     tensor_val,
 )
-from torch._higher_order_ops.auto_functionalize import auto_functionalized
 
 import compile_runtime.ops.fused as fused_ops
+from compile_runtime.torch_internals import auto_functionalized
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Inductor adaptor on ``torch._inductor.standalone_compile``.
+"""Inductor adaptor on Inductor's ``standalone_compile`` (``torch_internals.py``).
 
 The general piece is compiled with the symbolic sizes of the Dynamo trace
 (``from_tracing_context``); an exact size with example inputs of that size.
@@ -6,18 +6,22 @@ The general piece is compiled with the symbolic sizes of the Dynamo trace
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import logging
-from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.fx
 from compile_runtime.backends.compiler.base import CompiledPiece, CompilerAdaptor
 
 from compile_runtime.counters import compilation_counter
+from compile_runtime.torch_internals import (
+    artifact_is_saveable,
+    standalone_compile,
+    standalone_load,
+    standalone_save,
+    trust_cpu_isa_flags,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,17 +79,12 @@ class InductorAdaptor(CompilerAdaptor):
     def compile(
         self, graph: torch.fx.GraphModule, example_inputs: list[Any], runtime_shape: int | None
     ) -> CompiledPiece:
-        from torch._inductor import standalone_compile
-
         single = not returns_tuple(graph)
         if single:
             graph = as_tuple_graph(graph)
         dynamic = "from_tracing_context" if runtime_shape is None else "from_example_inputs"
         artifact = standalone_compile(
-            graph,
-            example_inputs,
-            dynamic_shapes=dynamic,
-            options={"config_patches": self.inductor_config(runtime_shape)},
+            graph, example_inputs, dynamic, self.inductor_config(runtime_shape)
         )
         compilation_counter.num_inductor_compiles += 1
         fn = _Unwrap(artifact) if single else artifact
@@ -98,7 +97,7 @@ class InductorAdaptor(CompilerAdaptor):
     def save(self, piece: CompiledPiece, path: str) -> dict[str, Any] | None:
         """None when Inductor kept nothing to save (its caches are off): warns once."""
         artifact, single = piece.handle
-        if not getattr(artifact, "is_saveable", lambda: True)():
+        if not artifact_is_saveable(artifact):
             if not self._warned_unsaveable:
                 self._warned_unsaveable = True
                 cause = (
@@ -115,38 +114,10 @@ class InductorAdaptor(CompilerAdaptor):
                     cause,
                 )
             return None
-        artifact.save(path=path, format="binary")
+        standalone_save(artifact, path)
         return {"single_output": single}
 
     def load(self, path: str, meta: dict[str, Any]):
         with trust_cpu_isa_flags():
-            artifact = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+            artifact = standalone_load(path)
         return _Unwrap(artifact) if meta.get("single_output") else artifact
-
-
-@contextlib.contextmanager
-def trust_cpu_isa_flags() -> Iterator[None]:
-    """Skip Inductor's CPU-ISA probe while loading saved kernels.
-
-    Loading a CPU artifact asks which vector ISA to use only to find its kernel's
-    file; the probe behind the answer builds and dlopens a test program per ISA in
-    child processes (a large part of a warm start). The kernels are built
-    already, for this CPU capability (part of the cache key), so the CPU's own
-    flags answer. A compile later in the process probes as usual: the list
-    computed here is dropped.
-    """
-    from torch._inductor import config, cpu_vec_isa
-
-    if config.cpp.vec_isa_ok is not None:  # the user decided
-        yield
-        return
-    probed = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
-    # AVX-512's bf16 and VNNI checks build and dlopen a program each even then, after the
-    # CPU's flag said yes (~70 ms each): the flag answers.
-    trusted = mock.patch.object(cpu_vec_isa.VecISA, "check_build", lambda self, code: True)
-    try:
-        with config.patch({"cpp.vec_isa_ok": True}), trusted:
-            yield
-    finally:
-        if not probed:
-            cpu_vec_isa.valid_vec_isa_list.cache_clear()

@@ -17,7 +17,9 @@ import os
 import shutil
 from typing import Any
 
+from compile_runtime import torch_internals
 from compile_runtime.cache.files import file_sha256, write_atomic
+from compile_runtime.torch_internals import record_inductor_library_loads
 
 logger = logging.getLogger(__name__)
 
@@ -31,36 +33,15 @@ def track_loaded_kernels() -> None:
     global _installed
     if _installed:
         return
-    try:
-        from torch._inductor.codecache import CppCodeCache
-        from torch._inductor.cpu_vec_isa import VecISA
-    except ImportError:
-        return
-    load_library = CppCodeCache.__dict__.get("_load_library")
-    probe_load = VecISA.__dict__.get("_probe_load")
-    if not isinstance(load_library, classmethod) or probe_load is None:
+    # Kernels, and the small libraries Inductor builds to probe the CPU's vector ISA.
+    if not record_inductor_library_loads(lambda path: _loaded.add(os.path.abspath(path))):
         logger.debug("Inductor's loaders moved: compiled C++ kernels are not shipped")
         return
-    inner = load_library.__func__
-
-    # Kernels, and the small libraries Inductor builds to probe the CPU's vector ISA.
-    def _load_library(cls, path: str, key: str) -> Any:
-        _loaded.add(os.path.abspath(path))
-        return inner(cls, path, key)
-
-    def _probe_load(self, output_path: str) -> Any:
-        _loaded.add(os.path.abspath(output_path))
-        return probe_load(self, output_path)
-
-    CppCodeCache._load_library = classmethod(_load_library)
-    VecISA._probe_load = _probe_load
     _installed = True
 
 
 def inductor_cache_dir() -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.abspath(cache_dir())
+    return os.path.abspath(torch_internals.inductor_cache_dir())
 
 
 def collect(key_dir: str) -> dict[str, dict[str, Any]]:

@@ -25,9 +25,14 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
 
 from compile_runtime.config import CompilationConfig, CompilationMode, CUDAGraphMode
+from compile_runtime.torch_internals import (
+    free_unbacked_symbols,
+    is_torch_op,
+    op_bare_name,
+    tree_flatten,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +87,8 @@ def op_base_name(node: torch.fx.Node) -> str:
         return str(target)
     if node.op != "call_function":
         return ""
-    if isinstance(target, torch._ops.OpOverload):
-        return target._opname
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[-1]
+    if is_torch_op(target):
+        return op_bare_name(target)
     return getattr(target, "__name__", "")
 
 
@@ -96,7 +99,7 @@ def describe_target(node: torch.fx.Node) -> str:
         return f"Tensor.{target}"
     if node.op in ("placeholder", "get_attr"):
         return f"{node.op} {target}"
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if is_torch_op(target):
         return str(target)
     module = getattr(target, "__module__", None) or ""
     name = getattr(target, "__name__", str(target))
@@ -114,9 +117,7 @@ def node_value(node: Any) -> Any:
 
 def _unbacked(value: Any) -> set[Any]:
     try:
-        from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols  # sympy
-
-        return set(free_unbacked_symbols(value))
+        return free_unbacked_symbols(value)  # loads sympy
     except Exception:  # a value the symbol walk does not know (an opaque object)
         return set()
 
@@ -242,7 +243,7 @@ def _default_device(node: torch.fx.Node, name: str) -> Rule | None:
     target = node.target  # torch.zeros, not aten.zeros.default nor a Python builtin
     torch_level = (
         node.op == "call_function"
-        and not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        and not is_torch_op(target)
         and (getattr(target, "__module__", None) or "").startswith("torch")
     )
     if not torch_level or "device" in node.kwargs:

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 
 from compile_runtime.cache.location import CacheError
 from compile_runtime.compiler import program
@@ -25,6 +24,14 @@ from compile_runtime.compiler.program_draft import DraftBuilder
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
+from compile_runtime.torch_internals import (
+    backed_size_oblivious,
+    check_torch_version,
+    dynamo_backend_failed,
+    dynamo_mark_dynamic,
+    dynamo_register_bytecode_hook,
+    dynamo_unsupported,
+)
 
 
 class GraphBreakError(RuntimeError):
@@ -57,6 +64,7 @@ class CompiledForward:
 
     def __init__(self, model: torch.nn.Module, config: CompilationConfig, dims: dict[str, Any]):
         compilation_counter.num_models_seen += 1
+        check_torch_version()  # once per process: what is fenced was checked on these
         self.config = config
         self.dims = dims
         self.signature = inspect.signature(model.forward)
@@ -139,20 +147,20 @@ class CompiledForward:
             value = bound.arguments.get(name)
             if isinstance(value, torch.Tensor):
                 for dim in [dims] if isinstance(dims, int) else dims:
-                    torch._dynamo.mark_dynamic(value, dim)
-        hook = torch._dynamo.convert_frame.register_bytecode_hook(self._keep_bytecode)
+                    dynamo_mark_dynamic(value, dim)
+        hook = dynamo_register_bytecode_hook(self._keep_bytecode)
         try:
             # Sizes 0 and 1 would otherwise be specialised at the first trace.
-            with fx_config.patch(backed_size_oblivious=True):
+            with backed_size_oblivious():
                 out = self.compiled(*args, **kwargs)
-        except torch._dynamo.exc.Unsupported as e:
+        except dynamo_unsupported() as e:
             raise GraphBreakError(
                 f"{self.model_name}.forward cannot be traced as one graph, which "
                 f"CompilationMode.{self.config.mode.name} needs. Dynamo stopped at: {e}\n"
                 "Move the offending code out of forward, make it a custom op, or run with "
                 "CompilationMode.NONE / STOCK_TORCH_COMPILE."
             ) from None
-        except torch._dynamo.exc.BackendCompilerFailed as e:
+        except dynamo_backend_failed() as e:
             if isinstance(e.inner_exception, (SplittingOpError, CacheError)):  # say only that
                 raise e.inner_exception from None
             raise

@@ -41,6 +41,7 @@ from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_piece
 from compile_runtime.distributed.parallel_state import pipeline_stage_name, rank, world_size
 from compile_runtime.passes.manager import PassManager
+from compile_runtime.torch_internals import detect_fake_mode, traced_code
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +81,7 @@ class GraphCompiler:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         compilation_counter.num_graphs_seen += 1
         start = time.perf_counter()
-        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fake_mode = detect_fake_mode(example_inputs)
         fake_args = [
             fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs
         ]
@@ -238,9 +239,7 @@ class GraphCompiler:
 
     def compute_key_factors(self, gm: torch.fx.GraphModule, fake_args: list[Any]) -> dict[str, Any]:
         """The cache key factors of this trace (graph before passes, traced sources, ...)."""
-        context = torch._guards.TracingContext.try_get()
-        traced = getattr(context, "traced_code", None) or []
-        self.traced_files = sorted({code.co_filename for code in traced})
+        self.traced_files = sorted({code.co_filename for code in traced_code()})
         self.key_factors = key_factors(
             self.config,
             graph_hash=piece_hash(gm, fake_args),

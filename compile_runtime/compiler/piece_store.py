@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from compile_runtime.backends.compiler import CompilerAdaptor
 from compile_runtime.cache.entry import CacheEntry
@@ -26,6 +25,7 @@ from compile_runtime.compiler.graph_hash import piece_hash
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, find_size_locator
 from compile_runtime.compiler.split import Piece
 from compile_runtime.counters import compilation_counter
+from compile_runtime.torch_internals import unset_fake_temporarily
 
 logger = logging.getLogger(__name__)
 

@@ -46,6 +46,7 @@ import torch
 from compile_runtime.cache.files import read_json, write_atomic, write_json
 from compile_runtime.cache.key import key_factors, portable_name
 from compile_runtime.compiler.split import Piece, direct_splitting_graph, placeholder_names
+from compile_runtime.torch_internals import dynamo_input_source
 
 logger = logging.getLogger(__name__)
 
@@ -270,11 +271,7 @@ def draft_inputs(gm: torch.fx.GraphModule) -> list[str]:
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
-        arg = node.meta.get("grapharg")
-        source = getattr(arg, "source", None)
-        name = source.name if source is not None else None
-        if callable(name):
-            name = name()
+        name = dynamo_input_source(node)
         if not isinstance(name, str) or not _ROOT.match(name):
             raise NotSaveable(f"graph input {node.name} comes from {name!r}")
         names.append(name)

@@ -22,6 +22,7 @@ from compile_runtime.attention.op import (
     call_attention_layer,
     default_splitting_ops,
 )
+from compile_runtime.torch_internals import OpOverloadPacket, op_overload_name, op_qualified_name
 
 
 @dataclass
@@ -38,12 +39,7 @@ class SplittingOpError(ValueError):
 
 def op_name(node: torch.fx.Node) -> str | None:
     """``namespace::name`` of a call_function node's op, or None for plain Python callables."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.name if hasattr(target, "_schema") else target.name()
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name
-    return None
+    return op_qualified_name(node.target)
 
 
 def is_splitting_node(node: torch.fx.Node, splitting_ops: list[str]) -> bool:
@@ -55,7 +51,7 @@ def is_splitting_node(node: torch.fx.Node, splitting_ops: list[str]) -> bool:
         return False
     if name in splitting_ops:
         return True
-    overload = getattr(node.target, "_overloadname", None)  # None: a packet, any overload
+    overload = op_overload_name(node.target)  # None: a packet, any overload
     prefix = name + "."
     return any(
         entry.startswith(prefix) and overload in (None, entry[len(prefix) :])
@@ -74,7 +70,7 @@ def _registered(name: str) -> bool:
             getattr(packet, overload)
     except (AttributeError, RuntimeError):
         return False
-    return isinstance(packet, torch._ops.OpOverloadPacket)
+    return isinstance(packet, OpOverloadPacket)
 
 
 def check_splitting_ops(splitting_ops: list[str]) -> None:

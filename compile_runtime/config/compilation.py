@@ -91,9 +91,9 @@ def check_inductor_options(options: dict[str, Any]) -> None:
     """Every key must be an option of ``torch._inductor.config`` (dotted, e.g. "triton.cudagraphs")."""
     import difflib
 
-    from torch._inductor import config as inductor_config
+    from compile_runtime.torch_internals import inductor_options
 
-    known = inductor_config.get_config_copy()
+    known = inductor_options()
     for key in options:
         if key in known:
             continue

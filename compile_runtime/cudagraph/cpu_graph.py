@@ -39,14 +39,12 @@ import ctypes
 import functools
 import logging
 import os
-import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from compile_runtime.cudagraph.cpu_graph_ops import (
     ALLOCATING,
@@ -56,6 +54,13 @@ from compile_runtime.cudagraph.cpu_graph_ops import (
 )
 from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool, capturing_step
 from compile_runtime.ops.native_function import NativeFunction, set_native_recorder
+from compile_runtime.torch_internals import (
+    INDUCTOR_CPU_ALLOCATOR,
+    TorchDispatchMode,
+    inductor_generated_modules,
+    is_inductor_cpp_kernel,
+    op_schema,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +131,6 @@ def records_cpu_graphs(config: Any) -> bool:
         )
         return False
     return True
-
-
-def _is_inductor_kernel(value: Any) -> bool:
-    return (
-        type(value) is types.BuiltinFunctionType
-        and value.__name__ == "kernel"
-        and getattr(value.__self__, "__file__", "").endswith(".so")
-    )
 
 
 @functools.cache
@@ -254,7 +251,7 @@ class _RecordingMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         kwargs = kwargs or {}
-        name = func._schema.name
+        name = op_schema(func).name
         body = _op_bodies().get(name)
         if body is not None:
             with self:
@@ -280,15 +277,13 @@ class _RecordingMode(TorchDispatchMode):
 @contextmanager
 def _recording(recorder: _Recorder) -> Iterator[None]:
     """Every native call of the block goes to ``recorder``; every patch undone after."""
-    from torch._inductor.codecache import PyCodeCache
-
     swapped = []
-    for module in list(PyCodeCache.modules):
+    for module in inductor_generated_modules():
         for name, value in list(vars(module).items()):
-            if _is_inductor_kernel(value):
+            if is_inductor_cpp_kernel(value):
                 swapped.append((module, name, value))
                 setattr(module, name, recorder.inductor_proxy(value))
-            elif name == "empty_strided_cpu":  # Inductor's allocations: counted as the pool's
+            elif name == INDUCTOR_CPU_ALLOCATOR:  # Inductor's allocations: counted as the pool's
                 swapped.append((module, name, value))
                 setattr(module, name, recorder.allocation_proxy(value))
     previous = set_native_recorder(recorder)

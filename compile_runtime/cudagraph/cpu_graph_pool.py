@@ -13,7 +13,8 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+
+from compile_runtime.torch_internals import disable_dispatch_modes
 
 
 def capturing_step() -> Any:
@@ -69,7 +70,7 @@ class CPUGraphPool:
                 if anchor is None:
                     continue
                 shared.owners.add(owner)
-                with _disable_current_modes():  # a view made here, not an op to record
+                with disable_dispatch_modes():  # a view made here, not an op to record
                     view = torch.empty(0, dtype=tensor.dtype)
                     return view.set_(
                         anchor.untyped_storage(),

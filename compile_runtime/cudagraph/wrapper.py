@@ -28,7 +28,6 @@ from unittest import mock
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map_only
 
 from compile_runtime.config import (
     CompilationConfig,
@@ -39,6 +38,7 @@ from compile_runtime.config import (
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
+from compile_runtime.torch_internals import storage_over, tree_map_only
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +146,7 @@ def weak_ref_tensor(tensor: torch.Tensor) -> torch.Tensor:
     storage = tensor.untyped_storage()
     if storage.nbytes() == 0:
         return tensor
-    alias = torch._C._construct_storage_from_data_pointer(
-        storage.data_ptr(), tensor.device, storage.nbytes()
-    )
+    alias = storage_over(storage.data_ptr(), tensor.device, storage.nbytes())
     view = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
     return view.set_(alias, tensor.storage_offset(), tensor.size(), tensor.stride())
 

@@ -22,14 +22,14 @@ from compile_runtime.distributed.parallel_state import (
     get_tp_rank,
     get_tp_world_size,
 )
+from compile_runtime.torch_internals import functional_all_reduce
 
 
 def tensor_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel ranks (identity on one rank); traceable."""
     if get_tp_world_size() == 1:
         return x
-    reduced = torch.ops._c10d_functional.all_reduce(x, "sum", get_tp_group_name())
-    return torch.ops._c10d_functional.wait_tensor(reduced)
+    return functional_all_reduce(x, "sum", get_tp_group_name())
 
 
 def gather_to_first_rank(x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:

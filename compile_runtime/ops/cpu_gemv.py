@@ -23,6 +23,7 @@ import sys
 import torch
 
 from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.torch_internals import mkldnn_bf16_supported
 
 
 # The built-in choice (cpu_linear.py; a tuned weight has its own, measured): rows up to
@@ -33,7 +34,7 @@ from compile_runtime.ops.native_function import NativeFunction
 # own linear, which the AVX2 GEMV beats at every row count, by more the more rows:
 # there the GEMV takes every bf16 linear.
 def _most_bf16_rows() -> int:
-    return 4 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else sys.maxsize
+    return 4 if mkldnn_bf16_supported() else sys.maxsize
 
 
 MAX_ROWS = {torch.bfloat16: _most_bf16_rows(), torch.float32: 16}

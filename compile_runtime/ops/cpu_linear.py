@@ -46,6 +46,11 @@ from compile_runtime.ops.cpu_gemv import gemv_dtypes, gemv_linear
 from compile_runtime.ops.cpu_quant_gemm import kernel_available, pack_for_kernel, quant_linear
 from compile_runtime.ops.hugepages import move_into_hugepages
 from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
+from compile_runtime.torch_internals import (
+    mkldnn_bf16_supported,
+    mkldnn_linear,
+    mkldnn_reorder_linear_weight,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -107,9 +112,7 @@ def run_kernel(
             return None
         two_d = x.dim() == 2  # the runtime's layers: [tokens, features]
         flat = x if two_d else x.reshape(-1, x.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(
-            flat.contiguous(), entry.onednn, bias, "none", [], ""
-        )
+        out = mkldnn_linear(flat.contiguous(), entry.onednn, bias)
         return out if two_d else out.view(*x.shape[:-1], weight.shape[0])
     if name == "linear":
         return F.linear(x, weight, bias)
@@ -165,7 +168,7 @@ def can_pack(weight: torch.Tensor) -> bool:
         and weight.dim() == 2
         and weight.dtype in PACKABLE_DTYPES
         and torch.backends.mkldnn.is_available()
-        and (weight.dtype != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        and (weight.dtype != torch.bfloat16 or mkldnn_bf16_supported())
     )
 
 
@@ -190,7 +193,7 @@ def packed_copies(weight: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tens
     with torch.no_grad():
         onednn = None
         if weight.dtype == torch.float32:
-            onednn = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 32)
+            onednn = mkldnn_reorder_linear_weight(weight.detach(), 32)
         if entry is not None and entry.amx is not None:
             return onednn, entry.amx
         return onednn, pack_for_amx(weight.detach())

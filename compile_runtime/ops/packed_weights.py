@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from compile_runtime.torch_internals import tensor_version
+
 
 class PackedWeight:
     """One weight's processed forms, and the parameter's layout and version when made."""
@@ -44,7 +46,7 @@ class PackedWeight:
         self.weight = weight  # the parameter processed
         self.shape = like.shape
         self.stride = like.stride()
-        self.version = like._version
+        self.version = tensor_version(like)
         self.onednn = onednn  # oneDNN's blocked copy (float weights)
         self.amx = amx  # the AMX kernel's tile copy (bf16, cpu_amx.py)
         # A float weight's kernel per row bucket, measured here (cpu_linear.py); None:
@@ -71,7 +73,7 @@ def lookup(weight: torch.Tensor) -> PackedWeight | None:
         or weight.stride() != entry.stride
     ):
         return None
-    return entry if weight._version == entry.version else None
+    return entry if tensor_version(weight) == entry.version else None
 
 
 def record(

@@ -15,10 +15,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.fx.experimental.symbolic_shapes import (
-    ConstraintViolationError,
-    GuardOnDataDependentSymNode,
-)
 
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.compiler.capture_safety import (
@@ -47,18 +43,13 @@ from compile_runtime.device import resolve_device
 from compile_runtime.forward_context import is_forward_context_available, set_forward_context
 from compile_runtime.models.registry import load_model
 from compile_runtime.table import format_table
+from compile_runtime.torch_internals import trace_errors
 from compile_runtime.verify.compare import VerifyError
 from compile_runtime.verify.model_dir import require_model_dir
 
 # What a failed trace raises: our graph-break error, Dynamo's own (a data-dependent guard
 # is a UserError), and the shape checks' errors (a size the code made constant).
-TRACE_ERRORS = (
-    GraphBreakError,
-    torch._dynamo.exc.Unsupported,
-    torch._dynamo.exc.UserError,
-    ConstraintViolationError,
-    GuardOnDataDependentSymNode,
-)
+TRACE_ERRORS = (GraphBreakError, *trace_errors())
 
 
 @dataclass

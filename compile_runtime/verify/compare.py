@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_flatten
+
+from compile_runtime.torch_internals import tree_flatten
 
 # (atol, rtol) per dtype: a piece passes when max|compiled - eager| <= atol + rtol * max|eager|.
 # Compiled code reorders reductions and keeps fused intermediates in float32, so a

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils._pytree import tree_map_only
 
 from compile_runtime.attention.op import running_layers
 from compile_runtime.compiler.decorator import (
@@ -54,6 +53,7 @@ from compile_runtime.cudagraph.wrapper import (
     graphs_available,
 )
 from compile_runtime.forward_context import is_forward_context_available, set_forward_context
+from compile_runtime.torch_internals import tree_map_only
 from compile_runtime.verify.compare import (
     VerifyError,
     compare,
