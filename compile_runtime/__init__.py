@@ -1,9 +1,7 @@
 """compile_runtime: a compiler-centric runtime for PyTorch LLM inference.
 
-Top-level modules: ``cli`` (the ``compile-runtime`` command), ``engine_arguments`` (the
-engine flags ``generate`` and ``serve`` share, and the ``LLM`` they build) and ``argtypes``
-(argument types its sub-commands share); ``tune_cli`` (``compile-runtime tune``: the CPU linear kernels
-measured for a model); ``table`` (plain-text tables for the CLI and benchmarks);
+The command-line front ends live in the ``cli`` package, the one layer nothing else
+imports. Top-level modules: ``table`` (plain-text tables for the CLI and benchmarks);
 ``device`` (the default device: CUDA if present, else the CPU); ``forward_context``
 (per-step state layers read during a forward); ``counters`` (what the compiler and graph
 wrappers did, for tests); ``version`` (the package version); ``torch_internals`` (every
@@ -26,8 +24,9 @@ from compile_runtime.config import (
     set_compilation_config,
 )
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.forward_context import (
+    BatchDescriptor,
     ForwardContextError,
     get_forward_context,
     set_forward_context,

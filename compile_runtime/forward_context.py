@@ -9,15 +9,31 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from compile_runtime.config import CUDAGraphMode
 
 # What one forward runs in (the others are configurations, resolved into these per batch).
 RUNTIME_MODES = frozenset((CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
 
-if TYPE_CHECKING:
-    from compile_runtime.cudagraph.dispatcher import BatchDescriptor
+@dataclass(frozen=True)
+class BatchDescriptor:
+    """The key of one captured graph: what about a batch fixes its graph.
+
+    New keys (a LoRA flag, ...) are added as fields with a default, so
+    existing descriptors keep their meaning.
+    """
+
+    num_tokens: int
+    num_reqs: int | None = None  # None: any number of requests
+    uniform: bool = False  # a uniform decode batch (is_uniform_decode): the decode graphs
+    # Some token of the batch runs a LoRA adapter: its graphs hold the LoRA calls, those of
+    # the same batch without adapters do not (ops/cpu_lora.py).
+    has_lora: bool = False
+
+    def relaxed(self) -> BatchDescriptor:
+        """The mixed-batch form: same token count, any requests, any query lengths."""
+        return BatchDescriptor(self.num_tokens, has_lora=self.has_lora)
 
 
 class ForwardContextError(RuntimeError):

@@ -20,9 +20,10 @@ from compile_runtime.backends.attention import (
 )
 from compile_runtime.backends.attention.cpu_batched import CPUBatchedBackend
 from compile_runtime.backends.attention.flashinfer_attn import FlashInferBackend
-from compile_runtime.backends.attention.registry import ENV_VAR
 from compile_runtime.backends.attention.torch_native import TorchNativeBackend
 from compile_runtime.backends.attention.triton_attn import TritonBackend
+
+from compile_runtime.attention.selector import ENV_VAR
 
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings

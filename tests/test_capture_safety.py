@@ -14,12 +14,12 @@ import logging
 
 import pytest
 import torch
-from compile_runtime.backends.attention.registry import load_backend
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import compile_runtime as cr
+from compile_runtime.attention.selector import load_backend
 from compile_runtime.cli.main import main
 from compile_runtime.compiler import capture_safety as cs
 from compile_runtime.compiler.decorator import compiled_model, set_graph_factory

@@ -7,10 +7,10 @@ import importlib.util
 
 import pytest
 import torch
-from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
 from copier import copy_prompt, make_copier_dir, orbit
 from transformers import AutoModelForCausalLM
 
+from compile_runtime.attention.selector import ENV_VAR as ATTENTION_ENV
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.counters import compilation_counter

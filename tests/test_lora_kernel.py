@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor
-from compile_runtime.forward_context import set_forward_context
+from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 from compile_runtime.ops import cpu_lora
 from compile_runtime.ops.cpu_lora import lora_add_, lora_add_reference
 

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 from compile_runtime.backends.attention import torch_native
-from compile_runtime.backends.attention.registry import ENV_VAR as ATTENTION_ENV
 
 from compile_runtime.attention import layer as attention_layer
+from compile_runtime.attention.selector import ENV_VAR as ATTENTION_ENV
 from compile_runtime.config import CUDAGraphMode, RunnerConfig
 from compile_runtime.core.kv_blocks import BlockPool
 from compile_runtime.core.sampling_params import SamplingParams
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
 from compile_runtime.executor.base import ExecutorError
+from compile_runtime.forward_context import BatchDescriptor
 from compile_runtime.worker import startup
 from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.kv_sizing import (

@@ -28,8 +28,8 @@ from compile_runtime.config import (
 from compile_runtime.core.request import Request
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler import Scheduler
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor
 from compile_runtime.engine.llm import LLM
+from compile_runtime.forward_context import BatchDescriptor
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.rejection_sampler import rejection_sample
 from compile_runtime.worker.sampling_metadata import (

@@ -1,7 +1,7 @@
-"""Attention backends, chosen by ``registry``.
+"""Attention backends: implementations of ``compile_runtime/attention/backend.py``'s
+interface, chosen by ``compile_runtime/attention/selector.py`` (which imports them by name,
+so nothing below this package depends on it).
 
-* ``base``: what a backend declares, and ``AttentionImpl.forward``, the one owner of the
-  step's cache write and of the output's padding rows (impls only ``compute``);
 * ``torch_native``: the per-request reference every other backend is tested against;
 * ``cpu_batched`` (+ ``cpu_batched_plan``, its host plan, and ``cpu_decode_kernel``, its C
   decode kernel): the CPU default;
@@ -11,12 +11,12 @@
 
 from __future__ import annotations
 
-from compile_runtime.backends.attention.base import (
+from compile_runtime.attention.backend import (
     AttentionBackend,
     AttentionBackendError,
     AttentionImpl,
 )
-from compile_runtime.backends.attention.registry import (
+from compile_runtime.attention.selector import (
     backend_names,
     get_attn_backend,
     load_backend,

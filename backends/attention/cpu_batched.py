@@ -25,7 +25,6 @@ hand-written path (``masked_attention``) instead.
 from __future__ import annotations
 
 import torch
-from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 from compile_runtime.backends.attention.cpu_batched_plan import (
     BatchedPlan,
     CPUBatchedMetadataBuilder,
@@ -34,6 +33,7 @@ from compile_runtime.backends.attention.cpu_batched_plan import (
 )
 from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel
 
+from compile_runtime.attention.backend import AttentionBackend, AttentionImpl
 from compile_runtime.attention.dense import masked_attention
 from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata, MetadataError

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from compile_runtime.backends.attention.base import (
+
+from compile_runtime.attention.backend import (
     AttentionBackend,
     AttentionBackendError,
     AttentionImpl,
 )
-
 from compile_runtime.attention.kv_cache import NULL_BLOCK_ID
 from compile_runtime.attention.metadata import AttentionMetadata, AttentionMetadataBuilder
 from compile_runtime.attention.spec import AttentionSpec

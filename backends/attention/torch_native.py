@@ -8,8 +8,8 @@ on CPU and CUDA, but never inside a CUDA graph.
 from __future__ import annotations
 
 import torch
-from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 
+from compile_runtime.attention.backend import AttentionBackend, AttentionImpl
 from compile_runtime.attention.dense import dense_causal_attention
 from compile_runtime.attention.metadata import AttentionMetadata
 from compile_runtime.config import AttentionCGSupport

@@ -15,8 +15,8 @@ import importlib.util
 import os
 
 import torch
-from compile_runtime.backends.attention.base import AttentionBackend, AttentionImpl
 
+from compile_runtime.attention.backend import AttentionBackend, AttentionImpl
 from compile_runtime.attention.metadata import AttentionMetadata
 from compile_runtime.config import AttentionCGSupport
 

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from compile_runtime.attention.dense import dense_causal_attention
+from compile_runtime.attention.selector import get_attn_backend
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.backends.attention.registry import get_attn_backend
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
 
 

@@ -11,7 +11,7 @@ persistent buffer.
 Padding. A graph runs at a padded token count. Tokens past
 ``num_actual_tokens`` are padding: their slot is -1 (their key/value land in
 the null block) and their output rows are never read (the backends' one rule
-for them is ``AttentionImpl.forward`` in ``backends/attention/base.py``). The
+for them is ``AttentionImpl.forward`` in ``compile_runtime/attention/backend.py``). The
 request count is padded too (``num_reqs_padded``; for FULL graphs by default
 to ``min(num_padded_tokens, max_num_reqs)``): padded requests have no query
 tokens and ``seq_len`` 0, so kernel arguments are identical on every replay

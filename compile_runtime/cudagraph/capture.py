@@ -24,9 +24,9 @@ from tqdm import tqdm
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
 from compile_runtime.cudagraph.cpu_graph import GraphCaptureUnsupported, dry_captures
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor, CudagraphDispatcher
+from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
-from compile_runtime.forward_context import set_forward_context
+from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 
 logger = logging.getLogger(__name__)
 

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
+from compile_runtime.forward_context import BatchDescriptor
 from compile_runtime.planner.capture_sizes import resolve_capture_sizes
 
 logger = logging.getLogger(__name__)
@@ -31,26 +32,6 @@ def is_uniform_decode(query_lens: Sequence[int] | np.ndarray, query_len: int = 1
     """
     lens = np.asarray(query_lens)
     return lens.size > 0 and bool((lens == query_len).all())
-
-
-@dataclass(frozen=True)
-class BatchDescriptor:
-    """The key of one captured graph: what about a batch fixes its graph.
-
-    New keys (a LoRA flag, ...) are added as fields with a default, so
-    existing descriptors keep their meaning.
-    """
-
-    num_tokens: int
-    num_reqs: int | None = None  # None: any number of requests
-    uniform: bool = False  # a uniform decode batch (is_uniform_decode): the decode graphs
-    # Some token of the batch runs a LoRA adapter: its graphs hold the LoRA calls, those of
-    # the same batch without adapters do not (ops/cpu_lora.py).
-    has_lora: bool = False
-
-    def relaxed(self) -> BatchDescriptor:
-        """The mixed-batch form: same token count, any requests, any query lengths."""
-        return BatchDescriptor(self.num_tokens, has_lora=self.has_lora)
 
 
 def padding_table(sizes: Collection[int]) -> tuple[int, ...]:

@@ -36,8 +36,11 @@ from compile_runtime.config import (
     get_compilation_config,
 )
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor
-from compile_runtime.forward_context import get_forward_context, is_forward_context_available
+from compile_runtime.forward_context import (
+    BatchDescriptor,
+    get_forward_context,
+    is_forward_context_available,
+)
 from compile_runtime.torch_internals import storage_over, tree_map_only
 
 logger = logging.getLogger(__name__)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from compile_runtime.backends.attention.registry import min_cg_support
+from compile_runtime.attention.selector import min_cg_support
 from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
 from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher

@@ -13,8 +13,7 @@ import numpy as np
 import torch
 
 from compile_runtime.attention.groups import build_metadata
-from compile_runtime.cudagraph.dispatcher import BatchDescriptor
-from compile_runtime.forward_context import set_forward_context
+from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 from compile_runtime.worker.step_inputs import StepInputs, query_start_loc
 
 

@@ -22,8 +22,8 @@ import os
 from collections.abc import Iterable, Iterator
 
 import torch
-from compile_runtime.backends.attention.base import AttentionBackend, AttentionBackendError
 
+from compile_runtime.attention.backend import AttentionBackend, AttentionBackendError
 from compile_runtime.config import AttentionCGSupport
 
 logger = logging.getLogger(__name__)
