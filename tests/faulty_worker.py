@@ -31,7 +31,7 @@ class Fault:
     message: str
 
 
-def worker_main(config: Any, hf_config: Any, rank: int, *rest: Any, fault: Fault) -> None:
+def worker_main(config: Any, rank: int, *rest: Any, fault: Fault) -> None:
     """The executor's ``worker_main``, its model runner failing on ``fault.rank``."""
     if rank == fault.rank:
         execute = ModelRunner.execute_model
@@ -43,4 +43,4 @@ def worker_main(config: Any, hf_config: Any, rank: int, *rest: Any, fault: Fault
             return execute(self, scheduler_output)
 
         ModelRunner.execute_model = execute_model  # this process is the rank's alone
-    executor_worker_main(config, hf_config, rank, *rest)
+    executor_worker_main(config, rank, *rest)

@@ -210,7 +210,8 @@ ENGINE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class EngineConfig(CheckedConfig):
-    """Everything a worker needs to build its runner (plain data: it travels to workers)."""
+    """Everything a worker needs to build its runner (plain data: it travels to workers),
+    the model's config included: read once by the engine, no worker reads it again."""
 
     model_config = ConfigDict(arbitrary_types_allowed=True)
 
@@ -241,6 +242,20 @@ class EngineConfig(CheckedConfig):
     startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
     # Environment variables set in every worker (Ray workers do not inherit the driver's).
     worker_env: dict[str, str] = Field(default_factory=dict)
+    # The model's transformers config (models/registry.py:read_hf_config), as the engine read
+    # it; None: the worker reads it. Not part of equality, repr or a dump.
+    hf_config: Any = Field(None, exclude=True, repr=False)
+
+    def _compared(self) -> tuple:
+        return tuple(getattr(self, f) for f in type(self).model_fields if f != "hf_config")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, EngineConfig):
+            return NotImplemented
+        return self._compared() == other._compared()
+
+    def __hash__(self) -> int:
+        return hash(self._compared())
 
     @property
     def world_size(self) -> int:

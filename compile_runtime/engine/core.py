@@ -76,9 +76,8 @@ class EngineCore:
         tokenizer: Any,
         vocab_size: int | None,
         eos_token_ids: list[int],
-        hf_config: Any = None,
     ):
-        """``hf_config``: the model's config, which adapters are checked against (LoRA)."""
+        """Adapters (LoRA) are checked against the model's config, ``config.hf_config``."""
         sizes = config.runner_config
         self._grammars = (
             StructuredOutputManager(tokenizer, vocab_size, eos_token_ids)
@@ -90,7 +89,7 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self._vocab_size = vocab_size
         self._start(executor)
-        self.adapters = AdapterChecker(sizes, hf_config) if sizes.enable_lora else None
+        self.adapters = AdapterChecker(sizes, config.hf_config) if sizes.enable_lora else None
         self._ids = itertools.count()
 
     def _start(self, executor: Executor) -> None:

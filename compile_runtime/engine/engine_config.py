@@ -1,6 +1,7 @@
 """The engine's configuration, decided once in the driver: option names checked, the device,
 the dtype, the KV cache and length sizes, the CPU thread count and the environment every
-worker gets, into one frozen ``EngineConfig`` that every rank receives as it is.
+worker gets, with the model's config (read once, here), into one frozen ``EngineConfig`` that
+every rank receives as it is.
 """
 
 from __future__ import annotations
@@ -22,12 +23,18 @@ from compile_runtime.device import default_device
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
-from compile_runtime.torch_internals import check_torch_version
 from compile_runtime.worker.cpu_threads import choose_num_threads
 from compile_runtime.worker.kv_sizing import size_runner_config
 
 # EngineConfig fields decided here, not options a user passes.
-_DECIDED_HERE = {"model_dir", "compilation_config", "runner_config", "dtype", "worker_env"}
+_DECIDED_HERE = {
+    "model_dir",
+    "compilation_config",
+    "runner_config",
+    "dtype",
+    "worker_env",
+    "hf_config",
+}
 # Environment variables every worker gets (Ray workers do not inherit the driver's).
 FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
 
@@ -49,10 +56,9 @@ def decide_engine_config(
     compilation_config: CompilationConfig | dict | str | None,
     dtype: str | torch.dtype,
     options: dict[str, Any],
-) -> tuple[EngineConfig, Any]:
+) -> EngineConfig:
     """The frozen engine configuration for ``LLM(model, compilation_config, dtype=...,
-    **options)``, and the model's config (read once here, handed to every worker)."""
-    check_torch_version()  # before anything of torch's internals runs (once per process)
+    **options)``, the model's config in it (read once here: no worker reads it again)."""
     model_dir = model_directory(model)
     _check_option_names(options)
     options = dict(options)
@@ -69,6 +75,7 @@ def decide_engine_config(
         dtype=resolved_dtype,
         device=device,
         worker_env={k: v for k, v in os.environ.items() if k.startswith(FORWARDED_ENV_PREFIXES)},
+        hf_config=hf_config,
         **options,
     )
     # Decided before any worker starts: starting workers would count each other as busy cores,
@@ -82,4 +89,4 @@ def decide_engine_config(
     runner_config = size_runner_config(
         runner_config, hf_config, resolved_dtype, device, tp_size, config.pipeline_parallel_size
     )
-    return config.model_copy(update={"runner_config": runner_config}), hf_config
+    return config.model_copy(update={"runner_config": runner_config})

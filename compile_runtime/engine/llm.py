@@ -61,7 +61,8 @@ class LLM:
         if resolve_device(options.get("device")).type == "cpu":
             build_ahead()  # the CPU kernels compile on the other core while the start goes on
         self.config: EngineConfig
-        self.config, hf_config = decide_engine_config(model, compilation_config, dtype, options)
+        self.config = decide_engine_config(model, compilation_config, dtype, options)
+        hf_config = self.config.hf_config  # the model's config, read once
         dp_size = self.config.data_parallel_size
         if dp_size > 1:  # each engine's model in its own worker processes
             if distributed_executor_backend == "uni":
@@ -70,7 +71,7 @@ class LLM:
                     "distributed_executor_backend='uni' cannot (use 'mp' or 'ray')"
                 )
             distributed_executor_backend = distributed_executor_backend or "mp"
-        self._hf_config, self._backend = hf_config, distributed_executor_backend
+        self._backend = distributed_executor_backend
         self._standby: StandbyWorkers | None = None  # keep_standby_workers()
         self.executors: list[Executor] = self._start_executors()
         self.executor: Executor = self.executors[0]
@@ -82,7 +83,6 @@ class LLM:
                 self.tokenizer,
                 getattr(hf_config, "vocab_size", None),
                 eos_token_ids(self.config.model_dir, hf_config, self.tokenizer),
-                hf_config,
             )
             for executor in self.executors
         ]
@@ -141,9 +141,7 @@ class LLM:
         executors: list[Executor] = []
         try:
             for _ in range(self.config.data_parallel_size):
-                executors.append(
-                    make_executor(self.config, self._hf_config, self._backend, self._standby)
-                )
+                executors.append(make_executor(self.config, self._backend, self._standby))
         except BaseException:
             for executor in executors:
                 executor.shutdown()
@@ -155,9 +153,7 @@ class LLM:
         ``restart_workers`` skips seconds of imports (a server that restarts dead workers).
         Nothing to do where the model runs in this process or in Ray actors."""
         if self._standby is None and all(isinstance(e, MultiprocExecutor) for e in self.executors):
-            self._standby = StandbyWorkers(
-                sum(e.world_size for e in self.executors), self._hf_config
-            )
+            self._standby = StandbyWorkers(sum(e.world_size for e in self.executors), self.config)
             self._standby.fill()
 
     def restart_workers(self) -> None:

@@ -9,8 +9,6 @@ worker process per rank on this machine) or ``ray_executor`` (workers as Ray act
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from compile_runtime.config import ConfigError, EngineConfig
@@ -46,15 +44,16 @@ def executor_class(backend: str | None, world_size: int) -> type[Executor]:
     return RayExecutor
 
 
-def check_model(config: EngineConfig, hf_config: Any) -> None:
+def check_model(config: EngineConfig) -> None:
     """Reject, before any worker starts, a model this configuration cannot run."""
-    config.runner_config.check_model(hf_config, config.model_dir)
-    check_model_for_parallelism(config, hf_config)
+    config.runner_config.check_model(config.hf_config, config.model_dir)
+    check_model_for_parallelism(config)
 
 
-def check_model_for_parallelism(config: EngineConfig, hf_config: Any) -> None:
+def check_model_for_parallelism(config: EngineConfig) -> None:
     """Reject a model that cannot run on ``tensor_parallel_size`` ranks per stage in
     ``pipeline_parallel_size`` stages."""
+    hf_config = config.hf_config
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     if tp == pp == 1:
         return
@@ -76,22 +75,21 @@ def check_model_for_parallelism(config: EngineConfig, hf_config: Any) -> None:
 
 def make_executor(
     config: EngineConfig,
-    hf_config: Any,
     backend: str | None = None,
     standby: StandbyWorkers | None = None,
 ) -> Executor:
     """Check the configuration, then start the executor (and through it every worker).
 
-    ``hf_config``: the model's config as the engine read it (models/registry.py), handed to
-    every worker so none reads it again; ``standby``: processes for the ranks of a
-    ``MultiprocExecutor`` (other executors ignore it)."""
+    Every worker gets ``config`` whole, the model's config in it (``config.hf_config``, read
+    once by the engine); ``standby``: processes for the ranks of a ``MultiprocExecutor``
+    (other executors ignore it)."""
     cls = executor_class(backend, config.world_size)
     if cls.local_ranks:
         check_device_available(config)
-    check_model(config, hf_config)
+    check_model(config)
     if cls is MultiprocExecutor:
-        return cls(config, hf_config, standby)
-    return cls(config, hf_config)
+        return cls(config, standby)
+    return cls(config)
 
 
 def check_device_available(config: EngineConfig) -> None:

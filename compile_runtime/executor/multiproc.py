@@ -83,7 +83,7 @@ def death_cause(process: multiprocessing.Process) -> str:
 
 
 class MultiprocExecutor(Executor):
-    def __init__(self, config: EngineConfig, hf_config: Any, standby: StandbyWorkers | None = None):
+    def __init__(self, config: EngineConfig, standby: StandbyWorkers | None = None):
         """``standby``: processes spawned ahead, done importing, to run the ranks in (a
         restart); ranks it has none for are spawned here."""
         self.config = config
@@ -96,7 +96,7 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop_processes, self.processes, self.conns, False)
         ready = standby.take(world) if standby is not None else []
         for rank in range(world):
-            worker_args = (config, hf_config, rank, world, init_method)
+            worker_args = (config, rank, world, init_method)
             if rank < len(ready):
                 ready[rank].start_worker(worker_args)
                 process, parent_end = ready[rank].process, ready[rank].conn

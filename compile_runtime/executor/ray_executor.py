@@ -55,9 +55,9 @@ def import_ray():
 class RayWorker:
     """The actor body: a ``Worker`` plus what the driver asks before it exists."""
 
-    def __init__(self, config: EngineConfig, hf_config: Any, rank: int, world_size: int):
+    def __init__(self, config: EngineConfig, rank: int, world_size: int):
         os.environ.update(config.worker_env)
-        self.config, self.hf_config = config, hf_config
+        self.config = config
         self.rank, self.world_size = rank, world_size
         self.worker: Worker | None = None
 
@@ -72,9 +72,7 @@ class RayWorker:
 
     def start(self, init_method: str):
         # Ray makes CUDA_VISIBLE_DEVICES hold this actor's GPU only: it is cuda:0 here.
-        self.worker = Worker(
-            self.config, self.hf_config, self.rank, self.world_size, init_method, local_rank=0
-        )
+        self.worker = Worker(self.config, self.rank, self.world_size, init_method, local_rank=0)
         return self.worker.start()
 
     def call(self, method: str, *args: Any) -> Any:
@@ -84,7 +82,7 @@ class RayWorker:
 class RayExecutor(Executor):
     local_ranks = False
 
-    def __init__(self, config: EngineConfig, hf_config: Any):
+    def __init__(self, config: EngineConfig):
         ray = import_ray()
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -133,7 +131,7 @@ class RayExecutor(Executor):
                             placement_group_bundle_index=rank % tp,
                         ),
                         runtime_env={"env_vars": dict(config.worker_env)},
-                    ).remote(config, hf_config, rank, world)
+                    ).remote(config, rank, world)
                 )
             nodes = self._get([a.node.remote() for a in self.actors], 300, "start-up")
             self.rank_nodes = {rank: node_id for rank, (node_id, _) in nodes.items()}

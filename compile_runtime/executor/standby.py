@@ -21,14 +21,14 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from compile_runtime.torch_internals import INDUCTOR_PRELOAD
+from compile_runtime.config import EngineConfig
 from compile_runtime.worker.worker import die_with_parent, name_process, worker_main
 
 logger = logging.getLogger(__name__)
 
 STANDBY_PROCESS_NAME = "cr-standby"  # /proc/PID/comm, as ps -o comm shows it
 # Beyond what importing this module (worker.worker, the model runner, torch) already loads.
-PRELOADED = INDUCTOR_PRELOAD
+PRELOADED = ("torch._inductor.compile_fx",)
 
 
 @dataclass
@@ -74,11 +74,11 @@ def _stop(idle: list[StandbyProcess]) -> None:
 
 
 class StandbyWorkers:
-    def __init__(self, count: int, hf_config: Any):
+    def __init__(self, count: int, config: EngineConfig):
         """Keep ``count`` standby processes (one per rank of every engine), ready to unpickle
-        ``hf_config``."""
+        ``config`` (the model's config in it)."""
         self.count = count
-        self.preload = (*PRELOADED, type(hf_config).__module__)
+        self.preload = (*PRELOADED, type(config.hf_config).__module__)
         self.idle: list[StandbyProcess] = []
         self.spawned = 0  # over the pool's life
         self._finalizer = weakref.finalize(self, _stop, self.idle)

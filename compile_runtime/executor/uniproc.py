@@ -13,14 +13,14 @@ from compile_runtime.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
-    def __init__(self, config: EngineConfig, hf_config: Any):
+    def __init__(self, config: EngineConfig):
         if config.tensor_parallel_size != 1:
             raise ValueError(
                 f"UniProcExecutor runs one rank; tensor_parallel_size="
                 f"{config.tensor_parallel_size} needs the 'mp' or 'ray' executor"
             )
         self.config = config
-        self.worker = Worker(config, hf_config, rank=0, world_size=1, init_method=None)
+        self.worker = Worker(config, rank=0, world_size=1, init_method=None)
         self.workers_info = [self.worker.start()]
 
         self._output: ModelRunnerOutput | None = None

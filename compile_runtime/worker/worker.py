@@ -62,14 +62,12 @@ class Worker:
     def __init__(
         self,
         config: EngineConfig,
-        hf_config: Any,
         rank: int,
         world_size: int,
         init_method: str | None,
         local_rank: int | None = None,
     ):
-        self.config = config
-        self.hf_config = hf_config  # the model's config, as the engine read it
+        self.config = config  # whole, as the engine decided it (the model's config in it)
         self.rank = rank
         self.world_size = world_size
         self.init_method = init_method
@@ -107,7 +105,7 @@ class Worker:
             dtype=c.dtype,
             device=device,
             use_transformers=c.use_transformers,
-            hf_config=self.hf_config,
+            hf_config=c.hf_config,
         )
         self.runner.initialize()
         self.answers_steps = self.rank == sampling_rank()
@@ -168,7 +166,6 @@ def name_process(name: str) -> None:
 
 def worker_main(
     config: EngineConfig,
-    hf_config: Any,
     rank: int,
     world_size: int,
     init_method: str,
@@ -185,7 +182,7 @@ def worker_main(
     logging.basicConfig(
         level=logging.WARNING, format=f"[rank {rank}] %(levelname)s %(name)s: %(message)s"
     )
-    worker = Worker(config, hf_config, rank, world_size, init_method)
+    worker = Worker(config, rank, world_size, init_method)
     try:
         start = time.perf_counter()
         info = worker.start()
