@@ -33,6 +33,7 @@ import torch
 from compile_runtime.attention.kv_cache import PADDING_SLOT
 from compile_runtime.attention.spec import AttentionSpec
 from compile_runtime.cudagraph.dispatcher import is_uniform_decode
+from compile_runtime.platforms.select import platform_for
 
 
 @dataclass
@@ -87,12 +88,13 @@ class AttentionMetadataBuilder:
         self.block_size = block_size
         self.max_num_reqs = max_num_reqs
         self.device = torch.device(device)
-        pin = self.device.type == "cuda"
+        platform = platform_for(self.device)
         self._query_start_loc = torch.zeros(max_num_reqs + 1, dtype=torch.int32, device=device)
         self._seq_lens = torch.zeros(max_num_reqs, dtype=torch.int32, device=device)
         # Host staging of the two: on a CPU the buffers themselves (no second copy).
         self._query_start_loc_cpu, self._seq_lens_cpu = self._query_start_loc, self._seq_lens
-        if self.device.type != "cpu":
+        if platform.stages_inputs:
+            pin = platform.pins_staging
             self._query_start_loc_cpu = torch.zeros(
                 max_num_reqs + 1, dtype=torch.int32, pin_memory=pin
             )

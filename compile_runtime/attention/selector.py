@@ -25,6 +25,7 @@ import torch
 
 from compile_runtime.attention.backend import AttentionBackend, AttentionBackendError
 from compile_runtime.config import AttentionCGSupport
+from compile_runtime.platforms.select import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -35,10 +36,6 @@ _BACKENDS: dict[str, tuple[str, str]] = {
     "cpu_batched": ("compile_runtime.backends.attention.cpu_batched", "CPUBatchedBackend"),
     "triton": ("compile_runtime.backends.attention.triton_attn", "TritonBackend"),
     "flashinfer": ("compile_runtime.backends.attention.flashinfer_attn", "FlashInferBackend"),
-}
-_AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("triton", "flashinfer", "torch_native"),
-    "cpu": ("cpu_batched", "torch_native"),
 }
 _selected: list[str] = []
 
@@ -90,7 +87,7 @@ def get_attn_backend(
             raise AttentionBackendError(f"attention backend {name!r} cannot run here: {reason}")
         return backend
     reasons = []
-    for candidate in _AUTO_ORDER.get(device.type, ("torch_native",)):
+    for candidate in platform_for(device).attention_backends:
         backend = load_backend(candidate)
         reason = backend.unsupported_reason(device, dtype, head_size)
         if reason is None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from compile_runtime.platforms.select import platform_for
+
 logger = logging.getLogger(__name__)
 
 LOOPBACK = "127.0.0.1"
@@ -58,7 +60,7 @@ def free_port(host: str = LOOPBACK) -> int:
 
 
 def default_backend(device: torch.device | str) -> str:
-    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+    return platform_for(device).distributed_backend
 
 
 def init_distributed(

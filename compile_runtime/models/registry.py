@@ -35,6 +35,7 @@ from compile_runtime.ops.cpu_linear import pack_linear_weights
 from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
 from compile_runtime.ops.hugepages import moves_held_back
 from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
+from compile_runtime.platforms.select import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -173,12 +174,13 @@ def resolve_quantization(
             'quantization="int8" quantizes a float checkpoint; a GGUF file keeps its own '
             'quantization ("gguf", the default) or dequantizes ("none")'
         )
-    if quantization != "none" and (device.type != "cpu" or not native):
+    packs = platform_for(device).packs_weights
+    if quantization != "none" and (not packs or not native):
         logger.info(
             "quantization=%s: weights dequantized (the quantized kernels run the native "
             "models on a CPU; this is %s)",
             quantization,
-            device.type if device.type != "cpu" else "the transformers adapter",
+            "the transformers adapter" if packs else device.type,
         )
         quantization = "none"
     if quantization != "none" and not quant_kernel_available():
@@ -202,7 +204,8 @@ def _packed_weight_file(
 ) -> PackedWeightFile | None:
     """Where a native CPU model's processed weights are kept between starts (None: nowhere,
     as when the cache is off)."""
-    if device.type != "cpu" or not cpu_pack_weights or compilation_config.disable_cache:
+    packs = platform_for(device).packs_weights and cpu_pack_weights
+    if not packs or compilation_config.disable_cache:
         return None
     root = cache_root(compilation_config.cache_dir)
     return PackedWeightFile.for_model(model, model_dir, quantization, root)
@@ -280,7 +283,7 @@ def load_model(
                     "); convert the original checkpoint to safetensors for the adapter"
                 )
             model = TransformersCausalLM(model_dir, hf_config, dtype)
-    if device.type == "cpu" and cpu_pack_weights:
+    if platform_for(device).packs_weights and cpu_pack_weights:
         with moves_held_back() if packed_file and not mapped else contextlib.nullcontext():
             pack_linear_weights(model)
         if packed_file is not None and not mapped:

@@ -26,6 +26,7 @@ import time
 import torch
 
 from compile_runtime.config import RunnerConfig
+from compile_runtime.platforms.select import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def choose_num_threads(
     config: RunnerConfig, device: torch.device | str, ranks: int
 ) -> RunnerConfig:
     """``config`` with ``num_threads`` decided for a CPU engine (an explicit count is checked)."""
-    if torch.device(device).type != "cpu":
+    if not platform_for(device).sets_threads:
         return config
     chosen = resolve_num_threads(config.num_threads, ranks)
     if chosen == config.num_threads:
@@ -128,5 +129,5 @@ def choose_num_threads(
 def set_num_threads(config: RunnerConfig, device: torch.device, ranks: int) -> None:
     """Set this process's count to the engine's, on a CPU (choosing it if none was chosen,
     for one of ``ranks`` processes sharing the cores)."""
-    if device.type == "cpu":
+    if platform_for(device).sets_threads:
         torch.set_num_threads(resolve_num_threads(config.num_threads, ranks))

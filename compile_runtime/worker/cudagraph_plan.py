@@ -21,6 +21,7 @@ from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
 from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_full_model
+from compile_runtime.platforms.select import platform_for
 
 if TYPE_CHECKING:
     from compile_runtime.attention.layer import Attention
@@ -57,8 +58,8 @@ def plan_cudagraphs(
         min_cg_support({layer.attn_backend for layer in layers}),
         attention_split=bool(attention_split(model)),  # None: nothing traced, nothing split
         uniform_decode_query_len=uniform_decode_query_len,
-        cuda_available=device.type == "cuda",
-        cpu_graphs=device.type == "cpu" and graph_factory is not None,
+        cuda_available=platform_for(device).graph_kind == "cuda",
+        cpu_graphs=platform_for(device).graph_kind == "cpu" and graph_factory is not None,
     )
     dispatcher.initialize_keys(modes.cudagraph_mode, uniform_decode_query_len, lora=lora)
     forward_model = bare_model = model.model

@@ -22,6 +22,7 @@ import torch
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.scheduler_output import NewRequestData, SchedulerOutput
 from compile_runtime.lora.request import LoRARequest
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.sampling_metadata import make_generator
 
 
@@ -149,9 +150,10 @@ class BlockTable:
         self.max_blocks_per_req = max_blocks_per_req
         self.table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        pin = device.type == "cuda"
         self._staging = torch.zeros(
-            (max_num_reqs, max_blocks_per_req), dtype=torch.int32, pin_memory=pin
+            (max_num_reqs, max_blocks_per_req),
+            dtype=torch.int32,
+            pin_memory=platform_for(device).pins_staging,
         )
 
     def add_row(self, row: int, block_ids: list[int]) -> None:

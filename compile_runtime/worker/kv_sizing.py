@@ -23,6 +23,7 @@ import torch
 
 from compile_runtime.config import ConfigError, RunnerConfig
 from compile_runtime.models.llama import head_size_of
+from compile_runtime.platforms.select import platform_for
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,7 @@ def size_runner_config(
     Run once by the driver before any worker starts, so every rank gets the same sizes; a
     runner built directly runs it again and finds nothing left to decide.
     """
-    on_cpu = torch.device(device).type == "cpu"
+    on_cpu = not platform_for(device).profiles_memory
     kv_cache_bytes = config.kv_cache_bytes
     if on_cpu and kv_cache_bytes is None:
         available = available_memory()

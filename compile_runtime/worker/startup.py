@@ -38,6 +38,7 @@ from compile_runtime.attention.kv_cache import (
 )
 from compile_runtime.compiler.decorator import load_saved_program
 from compile_runtime.config import RunnerConfig
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.kv_sizing import (
     CudaMemory,
     blocks_per_request,
@@ -93,7 +94,7 @@ class StartupTimes:
 
 def allocated_bytes(device: torch.device) -> int:
     """Device memory torch holds now (0 off CUDA): the runner's own use is measured from it."""
-    return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    return platform_for(device).memory_allocated(device)
 
 
 # The start-up's first forward on a CPU with a saved program: a few tokens, to run the
@@ -118,7 +119,7 @@ def first_forward_tokens(
     ``CPU_TRACE_TOKENS``: not seconds of a 2-core prefill (a 2048-token step of a 1B model
     took ~15 s). ``profile(n)``: the first forward's context (``profile_metadata``), where
     the program's key is what the forward's will be."""
-    if buffers.device.type != "cpu":
+    if platform_for(buffers.device).profiles_memory:
         return max_num_tokens
     with profile(max_num_tokens), torch.inference_mode():
         found = load_saved_program(model, *buffers.forward_args(max_num_tokens))

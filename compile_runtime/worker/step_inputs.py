@@ -27,6 +27,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.input_batch import InputBatch
 
 
@@ -54,7 +55,7 @@ class StepInputs:
 def pins_staging(device: torch.device | str) -> bool:
     """Whether host-to-device copies to ``device`` go through pinned memory: on CUDA only
     (a CPU "copy" is a memcpy; pinning there costs and buys nothing)."""
-    return torch.device(device).type == "cuda"
+    return platform_for(device).pins_staging
 
 
 def staging_buffer(
@@ -90,10 +91,11 @@ class StepBuffers:
         self._buffers = (self.input_ids, self.positions, self.slot_mapping)
         # Where load writes: on a CPU the buffers themselves, else one staging row each.
         self.staging: tuple[torch.Tensor, ...] = self._buffers
-        if device.type != "cpu":
+        platform = platform_for(device)
+        if platform.stages_inputs:
             self.staging = tuple(staging_buffer((3, max_num_tokens), torch.long, device))
         # On CUDA: the last step's host-to-device copies (recorded by forward_args).
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        self._copied = platform.step_event()
 
     def forward_args(self, num_tokens: int, start: int = 0) -> tuple[torch.Tensor, ...]:
         """The forward's arguments for tokens ``start:num_tokens``; called after the step's
