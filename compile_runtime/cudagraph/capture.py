@@ -117,7 +117,8 @@ def capture(
     if not descriptors:
         logger.info("no CUDA graphs to capture (cudagraph mode %s)", dispatcher.mode.name)
         return report
-    cuda = torch.cuda.is_available()
+    # CUDA graphs on a CUDA device (not a test double on a CPU); CPU graphs never start CUDA.
+    cuda = graph_pool is None and torch.cuda.is_available()
 
     # Trace, compile and warm up outside any graph, at the largest size.
     largest_mode, largest = max(descriptors, key=lambda md: md[1].num_tokens)
