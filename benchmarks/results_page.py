@@ -90,7 +90,7 @@ def cell(field: str, value: object) -> str:
 def table(doc: dict) -> str:
     records = latest(doc)
     columns = FIXED + list(doc["configuration"])
-    for record in records:
+    for record in doc["records"]:  # the fields in the order the file gives them
         columns += [f for f in record if f not in columns]
     lines = [
         f"## {doc['title']}",
