@@ -153,7 +153,7 @@ def ignored_prefixes() -> list[str]:
 def code_text(markdown: str) -> list[str]:
     """The text of every inline code span and fenced code block."""
     blocks = re.findall(r"^```[^\n]*\n(.*?)^```", markdown, flags=re.S | re.M)
-    inline = re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M))
+    inline = re.findall(r"`([^`]+)`", re.sub(r"^```.*?^```", "", markdown, flags=re.S | re.M))
     return blocks + inline
 
 
