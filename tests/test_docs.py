@@ -184,6 +184,56 @@ def test_paths_in_backticks_exist():
     assert not missing, f"these paths do not exist (moved? write the new path): {sorted(missing)}"
 
 
+PACKAGE_DIRS = {"compile_runtime.backends": "backends", "compile_runtime.passes": "passes"}
+
+
+def module_file(parts: list[str]) -> Path | None:
+    """The repository file of a dotted module name, or None."""
+    name = ".".join(parts)
+    for package, folder in PACKAGE_DIRS.items():
+        if name == package or name.startswith(package + "."):
+            parts = [folder, *name[len(package) + 1 :].split(".")] if name != package else [folder]
+            break
+    base = REPO.joinpath(*parts)
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
+def unresolved_name(dotted: str) -> bool:
+    """True unless ``dotted`` is a module of ours, or a module and a name it defines (a class,
+    function or assignment), or a string the module's folder spells out (a logger's name)."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 1, -1):
+        path = module_file(parts[:i])
+        if path is None:
+            continue
+        rest = parts[i:]
+        if not rest:
+            return False
+        text = path.read_text()
+        if len(rest) == 1 and re.search(
+            rf"^\s*(?:class|def)\s+{rest[0]}\b|^{rest[0]}\s*[:=]|import .*\b{rest[0]}\b", text, re.M
+        ):
+            return False
+        return not any(f'"{dotted}"' in f.read_text() for f in path.parent.rglob("*.py"))
+    return True
+
+
+def test_module_names_in_backticks_exist():
+    missing = {
+        f"{page.relative_to(REPO)}: {name}"
+        for page in PAGES
+        for text in code_text(page.read_text())
+        for name in re.findall(r"\bcompile_runtime(?:\.[A-Za-z_]\w*)+", text)
+        if unresolved_name(name)
+    }
+    assert not missing, f"these names do not exist (moved? write the new name): {sorted(missing)}"
+    assert unresolved_name("compile_runtime.no_such_module")
+    assert not unresolved_name("compile_runtime.models.smollm2.smollm2_gguf")
+
+
 def test_readme_links_exist():
     links = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", (REPO / "README.md").read_text())
     missing = [link for link in links if "://" not in link and not (REPO / link).exists()]
