@@ -11,13 +11,16 @@
   ``scripts/gpu_check.sh``), or any word with a ``/`` that ends in a source file's extension
   (so ``ops/cpu_linear.py``, relative to nothing, fails too). Paths the repository ignores
   (built or downloaded: ``.models/``, ``benchmarks/.peers/``) are not checked.
+  Dotted names of ours (``compile_runtime.models.smollm2``) must name a module, or a module
+  and something it defines.
 * No page cites an issue by number ("issue 12", "#12"): the docs speak to users.
 * Examples that claim to run, run. The convention: a fenced ``python`` block whose first line
   is the comment ``# runs``. Each such block is executed as written, except that
   ``compile_runtime.LLM`` builds a cheap engine (no compilation: ``mode="NONE"``; small
   sizes), shared by the blocks that ask for the same model: the blocks check the API they
-  show, not the compiler. They run on the real model's GGUF file, which ``make test``
-  fetches before the tests. Keep them few and short (``max_tokens`` small).
+  show, not the compiler. The model they name through ``smollm2_gguf()`` is replaced by the
+  suite's tiny local model (``model_dirs``, with a chat template), so they run in seconds and
+  need no download. Keep them few and short (``max_tokens`` small).
 """
 
 from __future__ import annotations
@@ -299,6 +302,14 @@ class SharedEngine:
 
 
 @pytest.fixture(scope="module")
+def example_model(model_dirs, tmp_path_factory) -> str:
+    """The suite's tiny local model (random weights, a small tokenizer) with a chat template."""
+    from serving import chat_model_dir
+
+    return chat_model_dir(model_dirs("llama"), str(tmp_path_factory.mktemp("docs")))
+
+
+@pytest.fixture(scope="module")
 def engines():
     built: dict[str, object] = {}
     yield built
@@ -307,15 +318,17 @@ def engines():
 
 
 @pytest.mark.parametrize("name,code", runnable_blocks(), ids=[n for n, _ in runnable_blocks()])
-def test_example_runs(name, code, engines, monkeypatch, capsys):
+def test_example_runs(name, code, example_model, engines, monkeypatch, capsys):
     import compile_runtime as cr
+    import compile_runtime.models.smollm2 as smollm2
+
+    monkeypatch.setattr(smollm2, "smollm2_gguf", lambda *args, **kwargs: example_model)
 
     real_llm = cr.LLM
     used = []
 
     def cheap_llm(model, compilation_config=None, **options):
         options.setdefault("max_num_seqs", 4)
-        options.setdefault("max_model_len", 512)
         key = json.dumps([model, options], sort_keys=True, default=str)
         if key not in engines:
             engines[key] = real_llm(model, {"mode": "NONE", "cudagraph_mode": "NONE"}, **options)
