@@ -61,6 +61,22 @@ def test_the_gate_names_the_version_the_range_and_the_fix(version):
     assert "pip install torch==2.13.0" in message
 
 
+def test_the_engine_and_the_compiler_check_the_version_first(monkeypatch):
+    from compile_runtime.compiler.compiled_forward import CompiledForward
+    from compile_runtime.config import CompilationConfig
+    from compile_runtime.engine.engine_config import decide_engine_config
+
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
+    ti._check_installed.cache_clear()
+    try:
+        with pytest.raises(RuntimeError, match="pip install torch==2.13.0"):
+            decide_engine_config("no-such-model-directory", None, "auto", {})
+        with pytest.raises(RuntimeError, match="torch 2.10.0"):
+            CompiledForward(torch.nn.Linear(2, 2), CompilationConfig(), {})
+    finally:
+        ti._check_installed.cache_clear()  # checked again, against the real version
+
+
 def test_importing_the_package_loads_no_inductor_dynamo_or_sympy():
     code = (
         "import sys, compile_runtime, compile_runtime.torch_internals\n"

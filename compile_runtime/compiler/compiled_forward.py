@@ -63,8 +63,8 @@ class CompiledForward:
     """The compiled forward of one model instance."""
 
     def __init__(self, model: torch.nn.Module, config: CompilationConfig, dims: dict[str, Any]):
+        check_torch_version()  # the first compile in a process checks (cached after)
         compilation_counter.num_models_seen += 1
-        check_torch_version()  # once per process: what is fenced was checked on these
         self.config = config
         self.dims = dims
         self.signature = inspect.signature(model.forward)
