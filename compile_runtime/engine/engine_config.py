@@ -23,6 +23,7 @@ from compile_runtime.device import default_device
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
+from compile_runtime.torch_internals import check_torch_version
 from compile_runtime.worker.cpu_threads import choose_num_threads
 from compile_runtime.worker.kv_sizing import size_runner_config
 
@@ -59,6 +60,7 @@ def decide_engine_config(
 ) -> EngineConfig:
     """The frozen engine configuration for ``LLM(model, compilation_config, dtype=...,
     **options)``, the model's config in it (read once here: no worker reads it again)."""
+    check_torch_version()  # before anything of torch's internals runs (once per process)
     model_dir = model_directory(model)
     _check_option_names(options)
     options = dict(options)

@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from compile_runtime.config import EngineConfig
+from compile_runtime.torch_internals import INDUCTOR_PRELOAD
 from compile_runtime.worker.worker import die_with_parent, name_process, worker_main
 
 logger = logging.getLogger(__name__)
 
 STANDBY_PROCESS_NAME = "cr-standby"  # /proc/PID/comm, as ps -o comm shows it
 # Beyond what importing this module (worker.worker, the model runner, torch) already loads.
-PRELOADED = ("torch._inductor.compile_fx",)
+PRELOADED = INDUCTOR_PRELOAD
 
 
 @dataclass
