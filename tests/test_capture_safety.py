@@ -20,11 +20,11 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 import compile_runtime as cr
 from compile_runtime.attention.selector import load_backend
+from compile_runtime.cli import check as verify_cli
 from compile_runtime.cli.main import main
 from compile_runtime.compiler import capture_safety as cs
 from compile_runtime.compiler.decorator import compiled_model, set_graph_factory
 from compile_runtime.config import AttentionCGSupport, CompilationConfig
-from compile_runtime.verify import cli as verify_cli
 from compile_runtime.verify.capture import (
     CaptureReport,
     check_capture,
