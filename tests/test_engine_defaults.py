@@ -146,3 +146,37 @@ def test_start_up_reads_the_model_config_once(model_dirs, monkeypatch):
     with cr.LLM(model_dir, EAGER, kv_cache_bytes=2**24):
         pass
     assert reads == [model_dir]  # the engine's: the checks, tokenizer and runner get it
+
+
+def test_the_engine_decides_every_size_and_carries_the_model_config(model_dirs):
+    """One frozen EngineConfig holds what every rank reads: the runner's sizes, the graph sizes
+    and the model's config; it pickles whole to a worker, which decides no size again."""
+    import pickle
+
+    from compile_runtime.engine.engine_config import decide_engine_config
+    from compile_runtime.planner.capture_sizes import CPU_MAX_CAPTURE_SIZE
+
+    options = {"device": "cpu", "kv_cache_bytes": 2**24, "max_num_batched_tokens": 48}
+    config = decide_engine_config(model_dirs("llama"), EAGER, "float32", options)
+    assert config.runner_config.max_model_len is not None
+    assert config.runner_config.num_threads is not None
+    sizes = config.cudagraph_capture_sizes
+    assert sizes and max(sizes) <= min(48, CPU_MAX_CAPTURE_SIZE) and list(sizes) == sorted(sizes)
+    assert config.hf_config.model_type == "llama"
+    again = pickle.loads(pickle.dumps(config))
+    assert again == config and again.hf_config.to_dict() == config.hf_config.to_dict()
+    # the model's config is carried, not compared, printed or dumped
+    assert config.model_copy(update={"hf_config": None}) == config
+    assert "hf_config" not in repr(config) and "hf_config" not in config.model_dump()
+    explicit = {**EAGER, "cudagraph_capture_sizes": [1, 3, 100]}
+    config = decide_engine_config(model_dirs("llama"), explicit, "float32", options)
+    assert config.cudagraph_capture_sizes == (1, 3)  # bounded by the tokens of a step
+    with pytest.raises(ConfigError, match="hf_config"):
+        decide_engine_config(model_dirs("llama"), EAGER, "float32", {"hf_config": None})
+
+
+def test_a_runner_decides_no_size():
+    with pytest.raises(ConfigError, match="max_model_len and kv_cache_bytes left to the engine"):
+        RunnerConfig().check_decided(on_cpu=True)
+    RunnerConfig(max_model_len=64).check_decided(on_cpu=False)  # CUDA: measured at start-up
+    assert RunnerConfig(max_model_len=64, max_num_seqs=2).max_num_tokens == 128

@@ -160,14 +160,16 @@ def test_splitting_op_matching_nothing_gets_no_piecewise_graphs(caplog):
 def test_runner_resolves_cudagraph_mode_from_the_split(model_dirs):
     """The runner resolves the mode once, after the trace: the split decides."""
     from compile_runtime.config import RunnerConfig
+    from compile_runtime.models.registry import read_hf_config
+    from compile_runtime.worker.kv_sizing import size_runner_config
     from compile_runtime.worker.model_runner import ModelRunner
 
     config = cr.CompilationConfig(
         backend="eager", splitting_ops=["aten::mm"], cudagraph_mode="PIECEWISE"
     )
-    runner = ModelRunner(
-        model_dirs("llama"), config, RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64)
-    )
+    sizes = RunnerConfig(max_num_seqs=4, max_num_batched_tokens=64)  # a runner decides none
+    sizes = size_runner_config(sizes, read_hf_config(model_dirs("llama")), torch.float32, "cuda")
+    runner = ModelRunner(model_dirs("llama"), config, sizes, capture_sizes=None)
     assert runner.cudagraph_plan is None  # resolved once, after the first forward shows the split
     with pytest.raises(CudagraphModeError, match="no splitting-op pieces"):
         runner.initialize()

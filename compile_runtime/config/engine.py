@@ -182,6 +182,25 @@ class RunnerConfig(CheckedConfig):
         None, ge=1, description="CPU threads of each rank; None uses the free cores"
     )
 
+    @property
+    def max_num_tokens(self) -> int:
+        """Tokens in the largest step: no step holds more than max_num_seqs full-length
+        requests."""
+        self.check_decided(on_cpu=False)
+        return min(self.max_num_batched_tokens, self.max_num_seqs * self.max_model_len)
+
+    def check_decided(self, on_cpu: bool) -> None:
+        """Every size a runner reads is decided: by ``decide_engine_config`` (or, for a runner
+        built alone, ``worker/kv_sizing.size_runner_config``); a runner decides none."""
+        undecided = ["max_model_len"] if self.max_model_len is None else []
+        undecided += ["kv_cache_bytes"] if on_cpu and self.kv_cache_bytes is None else []
+        if undecided:
+            raise ConfigError(
+                f"RunnerConfig.{' and '.join(undecided)} left to the engine (None): size the "
+                "config with decide_engine_config or worker/kv_sizing.size_runner_config "
+                "before a runner gets it"
+            )
+
     @model_validator(mode="after")
     def _cpu_loras_hold_the_slots(self) -> RunnerConfig:
         if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
@@ -242,6 +261,10 @@ class EngineConfig(CheckedConfig):
     startup_timeout_s: float = Field(1800.0, gt=0, description="seconds start-up may take")
     # Environment variables set in every worker (Ray workers do not inherit the driver's).
     worker_env: dict[str, str] = Field(default_factory=dict)
+    # The graph sizes every rank captures, decided by the engine from compilation_config,
+    # the device and the runner's tokens per step (planner/capture_sizes.py); None: the
+    # runner takes compilation_config's as they are.
+    cudagraph_capture_sizes: tuple[int, ...] | None = None
     # The model's transformers config (models/registry.py:read_hf_config), as the engine read
     # it; None: the worker reads it. Not part of equality, repr or a dump.
     hf_config: Any = Field(None, exclude=True, repr=False)

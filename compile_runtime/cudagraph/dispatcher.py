@@ -54,9 +54,16 @@ class CudagraphDispatcher:
         *,
         max_num_tokens: int | None = None,
         max_num_reqs: int | None = None,
+        capture_sizes: Sequence[int] | None = None,
     ):
+        """``capture_sizes``: as the engine decided them (``EngineConfig``); None: resolved
+        here from ``config``."""
         self.config = config
-        self.capture_sizes = resolve_capture_sizes(config, max_num_tokens)
+        self.capture_sizes = (
+            list(capture_sizes)
+            if capture_sizes is not None
+            else resolve_capture_sizes(config, max_num_tokens)
+        )
         self.max_num_tokens = max_num_tokens
         self.max_num_reqs = max_num_reqs
         self.mode = NONE

@@ -1,7 +1,8 @@
 """The engine's configuration, decided once in the driver: option names checked, the device,
 the dtype, the KV cache and length sizes, the CPU thread count and the environment every
-worker gets, with the model's config (read once, here), into one frozen ``EngineConfig`` that
-every rank receives as it is.
+worker gets, the graph sizes, with the model's config (read once, here), into one frozen
+``EngineConfig`` that every rank receives as it is: no worker decides a size again (only the
+KV cache's block count, measured after the weights load).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from compile_runtime.device import default_device
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
+from compile_runtime.planner.capture_sizes import decide_capture_sizes
 from compile_runtime.torch_internals import check_torch_version
 from compile_runtime.worker.cpu_threads import choose_num_threads
 from compile_runtime.worker.kv_sizing import size_runner_config
@@ -35,6 +37,7 @@ _DECIDED_HERE = {
     "dtype",
     "worker_env",
     "hf_config",
+    "cudagraph_capture_sizes",
 }
 # Environment variables every worker gets (Ray workers do not inherit the driver's).
 FORWARDED_ENV_PREFIXES = ("COMPILE_RUNTIME_", "TORCHINDUCTOR_", "TRITON_")
@@ -91,4 +94,12 @@ def decide_engine_config(
     runner_config = size_runner_config(
         runner_config, hf_config, resolved_dtype, device, tp_size, config.pipeline_parallel_size
     )
-    return config.model_copy(update={"runner_config": runner_config})
+    # The graph sizes too: an "auto:FILE" spec read here once, not on every rank.
+    capture_sizes = decide_capture_sizes(
+        config.compilation_config,
+        runner_config.max_num_tokens,
+        cpu=torch.device(device).type == "cpu",
+    )
+    return config.model_copy(
+        update={"runner_config": runner_config, "cudagraph_capture_sizes": capture_sizes}
+    )

@@ -1,4 +1,5 @@
-"""The capture sizes a config asks for, resolved when the dispatcher is built.
+"""The capture sizes a config asks for, resolved once by the engine (``decide_capture_sizes``,
+called by ``decide_engine_config``; the dispatcher gets them).
 
 ``cudagraph_capture_sizes`` is a list (used as is), None (the default ladder up to
 ``max_cudagraph_capture_size``, default 512) or ``"auto:FILE[:K]"``: a plan made here,
@@ -105,6 +106,17 @@ def resolve_auto_sizes(spec: str, max_size: int | None) -> list[int]:
 # A CPU graph saves the Python around a step (a few ms), which matters for small batches;
 # a large batch is its arithmetic, and every size costs captures at start-up and memory.
 CPU_MAX_CAPTURE_SIZE = 64
+
+
+def decide_capture_sizes(
+    config: CompilationConfig, max_num_tokens: int, *, cpu: bool
+) -> tuple[int, ...]:
+    """The graph sizes every rank captures, decided once by the engine: ``config``'s (on a CPU
+    the default ladder capped for CPU graphs), bounded by the runner's tokens per step. An
+    ``auto:FILE`` spec reads its file here, in the driver, not on every rank."""
+    return tuple(
+        resolve_capture_sizes(cpu_capture_config(config) if cpu else config, max_num_tokens)
+    )
 
 
 def cpu_capture_config(config: CompilationConfig) -> CompilationConfig:

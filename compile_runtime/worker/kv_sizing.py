@@ -104,8 +104,9 @@ def size_runner_config(
 ) -> RunnerConfig:
     """``config`` with the sizes left to the engine (None) decided, saying why in the log.
 
-    Run once by the driver before any worker starts, so every rank gets the same sizes; a
-    runner built directly runs it again and finds nothing left to decide.
+    Run once by the driver before any worker starts, so every rank gets the same sizes; the
+    runner decides none (``RunnerConfig.check_decided``): one built alone gets a config
+    sized here first.
     """
     on_cpu = not platform_for(device).profiles_memory
     kv_cache_bytes = config.kv_cache_bytes

@@ -53,13 +53,11 @@ from compile_runtime.forward_context import set_forward_context
 from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
-from compile_runtime.planner.capture_sizes import cpu_capture_config
 from compile_runtime.planner.workload import Workload
 from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.cpu_threads import set_num_threads
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.worker.input_batch import InputBatch
-from compile_runtime.worker.kv_sizing import size_runner_config
 from compile_runtime.worker.microbatch import microbatch_split, run_microbatches
 from compile_runtime.worker.ngram_proposer import NgramProposer
 from compile_runtime.worker.sampler import Sampler
@@ -104,17 +102,21 @@ class ModelRunner:
         self,
         model_dir: str,
         compilation_config: CompilationConfig,
-        runner_config: RunnerConfig | None = None,
+        runner_config: RunnerConfig,
         *,
+        capture_sizes: tuple[int, ...] | None,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         use_transformers: bool = False,
         hf_config: Any = None,
     ):
-        """``hf_config``: the model's config as the engine read it (None: loading reads it)."""
-        self.config = runner_config or RunnerConfig()
+        """Sizes (``runner_config``, ``capture_sizes``) as the engine decided them: the runner
+        decides none (None capture sizes: ``compilation_config``'s); ``hf_config``: the
+        model's config as the engine read it (None: loading reads it)."""
+        self.config = runner_config
         self.compilation_config = compilation_config
         self.device = resolve_device(device)
+        runner_config.check_decided(on_cpu=self.device.type == "cpu")
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         state = get_parallel_state()
@@ -143,10 +145,6 @@ class ModelRunner:
         if self.device.type == "cpu" and records_cpu_graphs(compilation_config):
             self.graph_factory = CPU_GRAPHS
             set_graph_factory(self.model, CPU_GRAPHS)
-        # The engine decided these already; a runner built directly decides them here.
-        self.config = size_runner_config(
-            self.config, self.model.config, dtype, self.device, self.tp_size
-        )
         self.layers = attention_layers(self.model)
         if not self.layers:
             raise ModelRunnerError(f"{type(self.model).__name__} has no Attention layers")
@@ -157,8 +155,7 @@ class ModelRunner:
         )
         # Every request with k drafts: a uniform decode step of 1 + k tokens per request.
         self.uniform_decode_query_len = 1 + (spec.num_speculative_tokens if spec else 0)
-        # No step can hold more tokens than max_num_seqs full-length requests.
-        self.max_num_tokens = min(c.max_num_batched_tokens, c.max_num_seqs * c.max_model_len)
+        self.max_num_tokens = c.max_num_tokens
         if c.enable_lora:
             self.lora = LoRAManager(self.model, c, self.max_num_tokens, dtype, self.device)
         self.input_batch = InputBatch(c.max_num_seqs, c.max_model_len, c.block_size, self.device)
@@ -174,9 +171,10 @@ class ModelRunner:
         )
         for builder, _ in self.metadata_groups:
             builder.uniform_decode_query_len = self.uniform_decode_query_len
-        # Sizes now (a bad "auto:FILE" fails before the compile); keys after the trace.
+        # Sizes the engine's; keys after the trace.
         self.dispatcher = CudagraphDispatcher(
-            cpu_capture_config(compilation_config) if self.graph_factory else compilation_config,
+            compilation_config,
+            capture_sizes=capture_sizes,
             max_num_tokens=self.max_num_tokens,
             max_num_reqs=c.max_num_seqs,
         )

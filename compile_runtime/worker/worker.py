@@ -102,6 +102,7 @@ class Worker:
             c.model_dir,
             c.compilation_config,
             c.runner_config,
+            capture_sizes=c.cudagraph_capture_sizes,
             dtype=c.dtype,
             device=device,
             use_transformers=c.use_transformers,
