@@ -6,6 +6,7 @@ commands work where fastapi and uvicorn are not installed."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from compile_runtime.cli.argtypes import float_in, int_at_least, positive_int, string_list
 from compile_runtime.cli.engine_flags import add_engine_arguments, engine_from_args
@@ -54,6 +55,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (or set "
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)",
+    )
+    serve.add_argument(
+        "--lora-root",
+        default=None,
+        metavar="DIR",
+        help="the directory every adapter loaded at run time (/v1/load_lora_adapter) must be "
+        "inside, symlinks resolved; without it, loading by path at run time is refused",
+    )
+    serve.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a request bring its own chat template (chat_template, or in "
+        "chat_template_kwargs); default: only the model's own template renders",
     )
     serve.add_argument(
         "--disable-access-log",
@@ -107,6 +121,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=RequestLimits.max_choices,
         help="prompts x n one call may ask for",
     )
+    serve.add_argument(
+        "--max-body-bytes-in-flight",
+        type=positive_int,
+        default=RequestLimits.max_body_bytes_in_flight,
+        help="bytes of large request bodies (1 MiB or more) handled at once; past it a large "
+        "body waits, then gets a 503",
+    )
+    serve.add_argument(
+        "--max-prepare-seconds",
+        type=float_in(0.0, float("inf"), low_open=True),
+        default=RequestLimits.prepare_seconds,
+        help="seconds each step of preparing a request (tokenizing, the chat template, "
+        "checking an output constraint, loading an adapter) may take before the request gets "
+        "a 400",
+    )
     serve.set_defaults(func=_serve)
 
 
@@ -123,6 +152,8 @@ def _serve(args: argparse.Namespace) -> int:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json)")
     if args.lora_modules and not args.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
+    if args.lora_root is not None and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root {args.lora_root}: not a directory")
 
     if args.distributed_executor_backend is None and (args.device or default_device()) == "cpu":
         # The model in a worker process, so the step loop does not share this process's GIL

@@ -8,8 +8,15 @@ In the order a request goes through it:
 * ``app.py``: the FastAPI app, its routes and lifespan.
 * ``access_log.py``: one INFO line per request (status, tokens, seconds).
 * ``api_keys.py``: ``--api-key``, a 401 without it; ``request_limits.py``: bounds on the
-  body's size and on the prompts and choices of one request.
-* ``protocol.py``: the request bodies (pydantic), OpenAI's fields and vLLM's extras.
+  body's size, on the large bodies handled at once and on the prompts and choices of one
+  request.
+* ``protocol.py``: the request bodies (pydantic), OpenAI's fields and vLLM's extras, every
+  field typed; ``validation.py``: its checks past types (text that is not Unicode, the
+  shapes of formats and tools, the size bounds of output constraints).
+* ``worker_pool.py``: the blocking work of preparing a request (tokenizing, templates,
+  constraint checks, adapter loading) in worker threads, each step time-bounded.
+* ``chat_template.py``: what a request may pass to the chat template (its own template only
+  with ``--trust-request-chat-template``; ``chat_template_kwargs`` the template reads).
 * ``unsupported.py``: fields outside them: a 400 naming one the engine cannot honour, else
   one warning naming the unknown ones.
 * ``completions.py``, ``chat_completions.py``: the two generating endpoints.

@@ -6,7 +6,11 @@ framework installed."""
 
 from __future__ import annotations
 
+import logging
+import uuid
 from typing import Any
+
+logger = logging.getLogger("compile_runtime.server.errors")
 
 
 class APIError(Exception):
@@ -22,3 +26,12 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
         status, "invalid_request_error" if status < 500 else "server_error"
     )
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def internal_error(what: str, exc: BaseException | None = None) -> dict[str, Any]:
+    """The body of a 500: a generic message and a request id, never the exception's text;
+    the log gets ``what`` (and ``exc``'s traceback) under the same id."""
+    request_id = uuid.uuid4().hex[:16]
+    logger.error("internal error %s: %s", request_id, what, exc_info=exc)
+    message = f"internal server error (request id {request_id}); the server's log has the details"
+    return error_body(500, message)

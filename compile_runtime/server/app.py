@@ -68,7 +68,10 @@ def build_app(
     app = FastAPI(title="compile_runtime", version=__version__, lifespan=lifespan)
     if api_keys:
         app.add_middleware(ApiKeyAuth, keys=api_keys)
-    app.add_middleware(BodySizeLimit, max_bytes=limits.max_body_bytes)
+    app.add_middleware(
+        BodySizeLimit, max_bytes=limits.max_body_bytes, in_flight=limits.max_body_bytes_in_flight
+    )
+    server.pool.timeout_s = limits.prepare_seconds
     if allowed_origins:  # outside the key check: a browser's preflight carries no key
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
@@ -106,7 +109,7 @@ def build_app(
             "object": "model",
             "created": server.created,
             "owned_by": "compile_runtime",
-            "root": server.model_path,
+            "root": server.model_name,
             "parent": None,
             "max_model_len": server.max_model_len,
             "permission": [PERMISSION | {"id": f"modelperm-{server.model_name}"}],
@@ -116,7 +119,9 @@ def build_app(
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
         server.adapters.check_updating()
-        server.adapters.add(body.lora_name, body.lora_path)
+        # Reading an adapter takes a while: in a worker, the adapter names registered at once.
+        await server.pool.run(server.adapters.add, body.lora_name, body.lora_path,
+                              what="loading the adapter", param="lora_path")  # fmt: skip
         message = f"Success: LoRA adapter '{body.lora_name}' added successfully."
         return Response(message, media_type="text/plain")
 
@@ -153,10 +158,16 @@ def build_app(
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
         tok = server.llm.tokenizer
-        return tokenization.tokenize(body, tok, server.adapters, server.max_model_len)
+        return await server.pool.run(
+            tokenization.tokenize, body, tok, server.adapters, server.max_model_len,
+            server.trust_request_chat_template, what="tokenizing", param="prompt",
+        )  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        return tokenization.detokenize(body, server.llm.tokenizer, server.adapters)
+        return await server.pool.run(
+            tokenization.detokenize, body, server.llm.tokenizer, server.adapters,
+            what="detokenizing", param="tokens",
+        )  # fmt: skip
 
     return app

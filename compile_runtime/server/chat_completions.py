@@ -69,13 +69,19 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
     tool_call, forced = _tool_call_constraint(server, body)
-    constraint = output_constraint(body)
+    constraint = await server.pool.run(
+        output_constraint, body, what="checking the output constraint", param=None
+    )
     if tool_call is not None and constraint is not None:
         message = "tool_choice: a forced tool call constrains the output already; drop the other"
         raise APIError(400, message, "tool_choice")
     calls = tool_call is not None
     tok = server.llm.tokenizer
-    ids = chat_token_ids(body, tok, body.tools)
+    ids = await server.pool.run(
+        chat_token_ids, body, tok, body.tools, server.max_model_len,
+        server.trust_request_chat_template, what="rendering the chat template",
+        param="messages",
+    )  # fmt: skip
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -88,7 +94,7 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         body, max_tokens, max_field, k, "top_logprobs", body.prompt_logprobs,
         tool_call or constraint,
     )  # fmt: skip
-    choices = server.submit([ids], params, ("messages", max_field), tokens, lora_request)
+    choices = await server.submit([ids], params, ("messages", max_field), tokens, lora_request)
     payload = openai_format.envelope("chatcmpl", body.model or server.model_name)
 
     if body.stream:

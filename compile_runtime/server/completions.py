@@ -28,15 +28,20 @@ async def completions(server: Server, body: CompletionRequest, tokens: TokenCoun
     if body.echo and body.stream:
         raise APIError(400, "echo is not supported with stream=true; drop one", "echo")
     tok = server.llm.tokenizer
-    prompts = prompt_token_ids(body.prompt, tok, body.add_special_tokens)
+    prompts = await server.pool.run(
+        prompt_token_ids, body.prompt, tok, body.add_special_tokens, server.max_model_len,
+        what="tokenizing the prompt", param="prompt",
+    )  # fmt: skip
     k = body.logprobs
     scored = [n for n in (k if body.echo else None, body.prompt_logprobs) if n is not None]
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
+    constraint = await server.pool.run(
+        output_constraint, body, what="checking the output constraint", param=None
+    )
     params = sampling_params(
-        body, max_tokens, "max_tokens", k, "logprobs", max(scored, default=None),
-        output_constraint(body),
-    )  # fmt: skip
-    choices = server.submit(prompts, params, ("prompt", "max_tokens"), tokens, lora_request)
+        body, max_tokens, "max_tokens", k, "logprobs", max(scored, default=None), constraint
+    )
+    choices = await server.submit(prompts, params, ("prompt", "max_tokens"), tokens, lora_request)
     envelope = openai_format.envelope("cmpl", body.model or server.model_name)
 
     def payload(choices_json: list[dict], usage: dict | None = None) -> dict:

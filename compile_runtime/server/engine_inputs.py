@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from compile_runtime.core.sampling_params import SamplingParams, StructuredOutputsParams
 from compile_runtime.engine.chat import ChatTemplateError, chat_prompt_ids
 from compile_runtime.server.api_error import APIError
+from compile_runtime.server.chat_template import template_arguments
 from compile_runtime.server.protocol import ChatCompletionRequest, SamplingFields, TokenizeRequest
 from compile_runtime.server.structured import GUIDED, ConstraintError, constraint_of
 
@@ -104,10 +105,33 @@ def check_length(
         )
 
 
+_LONGEST: dict[int, int] = {}
+
+
+def text_bound(tokenizer: Any, max_model_len: int) -> int:
+    """The most characters a text of at most ``max_model_len`` tokens can have (each token
+    is at most the vocabulary's longest): longer text is refused before it is tokenized."""
+    key = id(tokenizer)
+    if key not in _LONGEST:
+        _LONGEST[key] = max((len(t) for t in tokenizer.get_vocab()), default=1) or 1
+    return max_model_len * _LONGEST[key]
+
+
+def check_text_length(chars: int, bound: int | None, field: str) -> None:
+    if bound is not None and chars > bound:
+        raise APIError(
+            400,
+            f"{field}: the text is {chars} characters, more than this model's maximum context "
+            "length (max_model_len) can hold whatever its tokens; shorten the prompt",
+            field,
+        )
+
+
 def prompt_token_ids(
-    prompt: Any, tokenizer: Any, add_special_tokens: bool = True
+    prompt: Any, tokenizer: Any, add_special_tokens: bool = True, max_model_len: int | None = None
 ) -> list[list[int]]:
-    """A completion's prompt (text, ids, or a list of either) as a list of id lists."""
+    """A completion's prompt (text, ids, or a list of either) as a list of id lists; text
+    longer than ``max_model_len`` tokens can hold is refused before it is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
@@ -119,6 +143,8 @@ def prompt_token_ids(
         if isinstance(p, str):
             if tokenizer is None:
                 raise APIError(400, "prompt: this model has no tokenizer: send token ids", "prompt")
+            if max_model_len is not None:
+                check_text_length(len(p), text_bound(tokenizer, max_model_len), "prompt")
             out.append(tokenizer(p, add_special_tokens=add_special_tokens)["input_ids"])
         else:
             out.append(list(p))
@@ -129,15 +155,29 @@ def chat_token_ids(
     body: ChatCompletionRequest | TokenizeRequest,
     tokenizer: Any,
     tools: list[dict[str, Any]] | None = None,
+    max_model_len: int | None = None,
+    trust_template: bool = False,
 ) -> list[int]:
-    """The messages through the model's chat template (text parts only), ``tools`` too."""
+    """The messages through the model's chat template (text parts only), ``tools`` too;
+    ``trust_template``: the request may bring its own template."""
+    chars = 0
     for i, m in enumerate(body.messages):
+        if isinstance(m.content, str):
+            chars += len(m.content)
         for j, part in enumerate(m.content if isinstance(m.content, list) else []):
-            if part.get("type", "text") != "text":
+            if part.type != "text":
                 where = f"messages.{i}.content.{j}"
-                message = f"{where}: a {part['type']!r} part; only text is supported"
+                message = f"{where}: a {part.type!r} part; only text is supported"
                 raise APIError(400, message, where)
-    if body.continue_final_message and body.add_generation_prompt:
+            chars += len(part.text or "")
+    if max_model_len is not None and tokenizer is not None:
+        check_text_length(chars, text_bound(tokenizer, max_model_len), "messages")
+    kwargs, overrides = template_arguments(
+        body.chat_template_kwargs, body.chat_template, tokenizer, trust_template
+    )
+    add_generation_prompt = overrides.get("add_generation_prompt", body.add_generation_prompt)
+    continue_final = overrides.get("continue_final_message", body.continue_final_message)
+    if continue_final and add_generation_prompt:
         raise APIError(
             400,
             "continue_final_message: it continues the last message, so it needs "
@@ -151,15 +191,14 @@ def chat_token_ids(
             "the special tokens",
             "add_special_tokens",
         )
-    kwargs = dict(body.chat_template_kwargs or {})
-    if body.continue_final_message:
+    if continue_final:
         kwargs["continue_final_message"] = True
     plain = [m.model_dump(exclude_none=True) for m in body.messages]
     try:
         return chat_prompt_ids(
             plain,
             tokenizer,
-            add_generation_prompt=body.add_generation_prompt,
+            add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=kwargs,
             tools=tools,
         )

@@ -1,7 +1,8 @@
 """OpenAI-shaped errors (``{"error": {"message", "type", "param", "code"}}``, as vLLM's
 ``ErrorResponse``) on every path: ours, an unknown route or method, a body that is not
 JSON or not valid, and anything unexpected (a 500). A bad request is a 400, never a 500,
-and its message names the field the user sent."""
+and its message names the field the user sent. A 500 carries no exception text: a generic
+message and a request id, under which the log has the traceback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from compile_runtime.server.api_error import APIError, error_body
+from compile_runtime.server.api_error import APIError, error_body, internal_error
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -42,7 +43,13 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
             return "the request body is missing; send a JSON object", None
         return f"the request body must be a JSON object ({first.get('msg')})", None
     # A union's branches each fail on their own: say every way the value could have been.
-    why = list(dict.fromkeys(e["msg"] for e in errors if field_path(e.get("loc", ())) == where))
+    why = list(
+        dict.fromkeys(
+            e["msg"].removeprefix("Value error, ")
+            for e in errors
+            if field_path(e.get("loc", ())) == where
+        )
+    )
     message = f"{where}: {' or '.join(why)}"
     got = first.get("input")
     if first.get("type") != "missing" and isinstance(got, str | int | float | bool):
@@ -74,4 +81,5 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> JSONResponse:
-        return error_response(500, f"{type(e).__name__}: {e}")
+        what = f"{request.method} {request.url.path}: {type(e).__name__}"
+        return JSONResponse(internal_error(what, e), status_code=500)

@@ -1,7 +1,9 @@
 """``Server``: the online engine behind the routes, and the one way a call's requests reach
-it (``submit``): every request of a call is checked before any is queued (a bad one is a
-400 naming the field), past ``max_waiting`` queued requests a call is a 503. The endpoints
-are ``completions.py`` and ``chat_completions.py``."""
+it (``submit``): every request of a call is checked (in a worker thread: a constraint's
+check compiles it) before any is queued (a bad one is a 400 naming the field), past
+``max_waiting`` queued requests a call is a 503. The endpoints are ``completions.py`` and
+``chat_completions.py``; the blocking work of preparing a request runs in ``pool``
+(``worker_pool.py``)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from compile_runtime.server.engine_inputs import check_length
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
 from compile_runtime.server.response_store import ResponseStore
+from compile_runtime.server.worker_pool import WorkerPool
 
 
 class Server:
@@ -35,11 +38,17 @@ class Server:
         lora_modules: list[tuple[str, str]] | None = None,
         runtime_lora_updating: bool = False,
         max_worker_restarts: int = 3,
+        trust_request_chat_template: bool = False,
+        lora_root: str | None = None,
     ):
         """``lora_modules``: (name, directory) of each adapter served from the start;
         ``max_worker_restarts``: how often dead workers are started again before the server
-        gives up (``failed``) and exits non-zero."""
+        gives up (``failed``) and exits non-zero; ``trust_request_chat_template``: a request
+        may bring its own chat template; ``lora_root``: the directory every adapter loaded at
+        run time must be inside."""
         self.llm = llm
+        self.trust_request_chat_template = trust_request_chat_template
+        self.pool = WorkerPool()
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
         self.model_path = model_path or model_name
@@ -50,11 +59,11 @@ class Server:
         self.on_failed: Callable[[], None] | None = None  # from the engine's thread
         self.metrics: ServerMetrics | None = None
         self.created = int(time.time())
-        self.adapters = ServedAdapters(model_name, llm.core, runtime_lora_updating)
+        self.adapters = ServedAdapters(model_name, llm.core, runtime_lora_updating, lora_root)
         self.responses = ResponseStore()  # /v1/responses kept for previous_response_id
         for name, path in lora_modules or []:
             try:
-                self.adapters.add(name, path)
+                self.adapters.add(name, path, trusted=True)
             except APIError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e.message}") from None
 
@@ -77,11 +86,23 @@ class Server:
             self.on_failed()
 
     def stop(self) -> None:
+        self.pool.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         self.llm.shutdown()
 
-    def submit(
+    def _check(self, requests: list, fields: tuple[str, str]) -> None:
+        """The engine's checks of a call's requests (a constraint is compiled to check it)."""
+        for r in requests:
+            try:
+                self.llm.core.check(r)
+            except ValueError as e:  # the engine names its request: the user sent no id
+                message = str(e).replace(f"request {r.req_id!r}: ", "")
+                message = message.replace(f"request {r.req_id!r} ", "the request ")
+                param = "logit_bias" if message.startswith("logit_bias") else fields[0]
+                raise APIError(400, message, param) from None
+
+    async def submit(
         self,
         prompts: list[list[int]],
         params: list[SamplingParams],
@@ -96,14 +117,8 @@ class Server:
         requests = [
             self.llm.core.make_request(p, sp, lora_request) for p in prompts for sp in params
         ]
-        for r in requests:
-            try:
-                self.llm.core.check(r)
-            except ValueError as e:  # the engine names its request: the user sent no id
-                message = str(e).replace(f"request {r.req_id!r}: ", "")
-                message = message.replace(f"request {r.req_id!r} ", "the request ")
-                param = "logit_bias" if message.startswith("logit_bias") else fields[0]
-                raise APIError(400, message, param) from None
+        await self.pool.run(self._check, requests, fields, what="checking the request",
+                            param=fields[0])  # fmt: skip
         tokens.prompt = sum(len(p) for p in prompts) * len(params)
         if self.metrics is not None:
             self.metrics.prompt_tokens.inc(tokens.prompt)

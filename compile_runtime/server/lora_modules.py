@@ -5,6 +5,11 @@ A request's ``model`` names the base model or an adapter; any other name is a 40
 OpenAI's shape. Adapters are checked when they are named (a bad directory is a 400 naming
 the file) and get ids that are never reused, so a worker's slot holding an unloaded
 adapter can never be mistaken for a new one.
+
+An adapter loaded at run time must resolve (symlinks followed, its files too) inside the
+server's ``--lora-root``, and its files be at most ``MAX_ADAPTER_BYTES``; without a root,
+loading by path at run time is refused. A path outside the root, missing, not an adapter or
+too large gets one answer ("not available"), so the routes tell nothing about the disk.
 """
 
 from __future__ import annotations
@@ -12,9 +17,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 from typing import Any
 
-from compile_runtime.lora.adapter import LoRAAdapterError
+from compile_runtime.lora.adapter import CONFIG_FILE, WEIGHTS_FILE, LoRAAdapterError
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.server.api_error import APIError
 
@@ -23,6 +29,7 @@ RUNTIME_UPDATING_VARIABLES = (
     "VLLM_ALLOW_RUNTIME_LORA_UPDATING",
     "COMPILE_RUNTIME_ALLOW_RUNTIME_LORA_UPDATING",
 )
+MAX_ADAPTER_BYTES = 2 << 30  # an adapter's files, loaded at run time
 
 
 def runtime_updating_from_env() -> bool:
@@ -49,12 +56,56 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _inside(path: str, root: str) -> bool:
+    return os.path.commonpath([path, root]) == root
+
+
+def runtime_adapter_path(path: str, root: str | None, max_bytes: int = MAX_ADAPTER_BYTES) -> str:
+    """The real directory of an adapter named at run time (relative paths are taken inside
+    ``root``); one 400 for every way it is not available."""
+    if root is None:
+        raise APIError(
+            400,
+            "lora_path: loading adapters by path at run time needs a server started with "
+            "--lora-root DIR (the directory they must be inside)",
+            "lora_path",
+        )
+    unavailable = APIError(
+        400, f"lora_path: no LoRA adapter is available at {path[:200]!r}", "lora_path"
+    )
+    real_root = os.path.realpath(root)
+    try:
+        real = os.path.realpath(os.path.join(real_root, path))
+        if not _inside(real, real_root) or not os.path.isdir(real):
+            raise unavailable
+        size = 0
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            file = os.path.realpath(os.path.join(real, name))
+            if not _inside(file, real_root) or not os.path.isfile(file):
+                raise unavailable
+            size += os.path.getsize(file)
+    except (OSError, ValueError):
+        raise unavailable from None
+    if size > max_bytes:
+        raise unavailable
+    return real
+
+
 class ServedAdapters:
-    def __init__(self, base_name: str, core: Any, runtime_updating: bool = False):
-        """``core``: the engine core, whose ``adapters`` checks them (None: LoRA is off)."""
+    def __init__(
+        self,
+        base_name: str,
+        core: Any,
+        runtime_updating: bool = False,
+        lora_root: str | None = None,
+    ):
+        """``core``: the engine core, whose ``adapters`` checks them (None: LoRA is off);
+        ``lora_root``: the directory adapters loaded at run time must be inside."""
         self.base_name = base_name
         self.core = core
         self.runtime_updating = runtime_updating
+        self.lora_root = lora_root
+        self._lock = threading.Lock()  # adapters are added from worker threads
         self.by_name: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
@@ -73,26 +124,35 @@ class ServedAdapters:
         if adapter is None:
             raise APIError(
                 404,
-                f"The model `{requested}` does not exist; this server serves "
-                f"{', '.join(repr(n) for n in self.names())}",
+                f"The model `{requested[:200]}` does not exist; GET /v1/models lists the "
+                "models this server serves",
                 "model",
             )
         return adapter
 
-    def add(self, name: str, path: str) -> LoRARequest:
-        """Check and register an adapter (a 400 naming what is wrong)."""
+    def add(self, name: str, path: str, trusted: bool = False) -> LoRARequest:
+        """Check and register an adapter (a 400 naming what is wrong); ``trusted``: named by
+        the operator (``--lora-modules``), else by a client at run time (inside the root)."""
         if not self.enabled:
             raise APIError(
                 400, "LoRA adapters need a server started with --enable-lora", "lora_name"
             )
         if name in self.by_name or name == self.base_name:
             raise APIError(400, f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        given = path
+        if not trusted:
+            path = runtime_adapter_path(path, self.lora_root)
         try:
             request = LoRARequest(name, next(self._ids), path)
             self.core.adapters.check(request)
-        except (LoRAAdapterError, ValueError) as e:
-            raise APIError(400, str(e), "lora_path") from None
-        self.by_name[name] = request
+        except (LoRAAdapterError, ValueError) as e:  # its files named as the client named them
+            raise APIError(400, str(e).replace(path, given), "lora_path") from None
+        with self._lock:
+            if name in self.by_name:
+                raise APIError(
+                    400, f"The lora adapter '{name}' has already been loaded.", "lora_name"
+                )
+            self.by_name[name] = request
         return request
 
     def remove(self, name: str) -> None:
@@ -112,12 +172,12 @@ class ServedAdapters:
     def cards(self, base_card: dict[str, Any]) -> list[dict[str, Any]]:
         """``/v1/models``: the base model's card, then one per adapter (its parent the base)."""
         out = [base_card]
-        for name, request in self.by_name.items():
+        for name in self.by_name:
             out.append(
                 base_card
                 | {
                     "id": name,
-                    "root": request.lora_path,
+                    "root": name,
                     "parent": self.base_name,
                     "permission": [
                         p | {"id": f"modelperm-{name}"} for p in base_card["permission"]

@@ -1,11 +1,15 @@
 """Bounds on what one request may ask, so that no number a client sends decides how much
 the server allocates: the body's size (``--max-request-body-bytes``, a 413 before it is
 read past the bound), the prompts of one completion call (``--max-prompts-per-request``)
-and the choices it asks the engine for, prompts times ``n`` (``--max-choices-per-request``).
-Each refusal is a 4xx naming the field and the flag that raises the bound."""
+and the choices it asks the engine for, prompts times ``n`` (``--max-choices-per-request``);
+and the bytes of large bodies (1 MiB or more) being read and decoded at once
+(``--max-body-bytes-in-flight``): past it, a large body waits for others to finish, and
+after ``BODY_WAIT_SECONDS`` is a 503. Each refusal is a 4xx naming the field and the flag
+that raises the bound."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +23,8 @@ class RequestLimits:
     max_body_bytes: int = 16 << 20
     max_prompts: int = 2048  # OpenAI's bound on a completion's prompt array
     max_choices: int = 256
+    max_body_bytes_in_flight: int = 64 << 20
+    prepare_seconds: float = 20.0  # worker_pool.py: each step of preparing a request
 
     def check(self, body: SamplingFields) -> None:
         """A 400 for a call over the bounds, before anything is built per prompt or choice."""
@@ -49,22 +55,86 @@ class BodyTooLarge(BaseException):
     way (FastAPI turns a body that fails to read into a 400) mistakes it for a bad body."""
 
 
+LARGE_BODY = 1 << 20
+BODY_WAIT_SECONDS = 30.0
+
+
+class ByteBudget:
+    """A semaphore counted in bytes (the large bodies being handled at once)."""
+
+    def __init__(self, total: int):
+        self.total = total
+        self.used = 0
+        self._freed: asyncio.Condition | None = None
+
+    async def acquire(self, n: int, timeout: float) -> bool:
+        n = min(n, self.total)  # one body alone always fits
+        if self._freed is None:
+            self._freed = asyncio.Condition()
+        async with self._freed:
+            try:
+                await asyncio.wait_for(
+                    self._freed.wait_for(lambda: self.used + n <= self.total), timeout
+                )
+            except TimeoutError:
+                return False
+            self.used += n
+            return True
+
+    async def release(self, n: int) -> None:
+        n = min(n, self.total)
+        assert self._freed is not None
+        async with self._freed:
+            self.used -= n
+            self._freed.notify_all()
+
+
 class BodySizeLimit:
     """ASGI middleware: a 413 for a body over ``max_bytes``, by its Content-Length or, for
-    a chunked one, as soon as the bytes read pass the bound."""
+    a chunked one, as soon as the bytes read pass the bound; large bodies wait for their
+    share of ``in_flight`` bytes (a chunked one counts as ``max_bytes``)."""
 
-    def __init__(self, app: Any, max_bytes: int):
+    def __init__(self, app: Any, max_bytes: int, in_flight: int = 64 << 20):
         self.app = app
         self.max_bytes = max_bytes
+        self.budget = ByteBudget(in_flight)
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        length = dict(scope["headers"]).get(b"content-length", b"0")
+        headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_bytes:
             await self._refuse(send, length.decode("latin-1")[:30])
             return
+        size = int(length) if length.isdigit() else 0
+        if b"chunked" in headers.get(b"transfer-encoding", b""):
+            size = self.max_bytes
+        if size < LARGE_BODY:
+            await self._handle(scope, receive, send)
+            return
+        held = await self.budget.acquire(size, BODY_WAIT_SECONDS)
+        if not held:
+            message = (
+                "the server is reading as many large request bodies as it takes at once "
+                "(--max-body-bytes-in-flight); retry shortly"
+            )
+            await self._send(send, 503, error_body(503, message))
+            return
+
+        async def release() -> None:  # when the answer starts: the body is decoded by then
+            nonlocal held
+            if held:
+                held = False
+                await self.budget.release(size)
+
+        try:
+            await self._handle(scope, receive, send, release)
+        finally:
+            await release()
+
+    async def _handle(self, scope: dict, receive: Any, send: Any, on_start: Any = None) -> None:
         read = 0
         started = False
 
@@ -78,6 +148,8 @@ class BodySizeLimit:
 
         async def tracking_send(message: dict) -> None:
             nonlocal started
+            if message["type"] == "http.response.start" and on_start is not None:
+                await on_start()
             started = started or message["type"] == "http.response.start"
             await send(message)
 
@@ -92,7 +164,9 @@ class BodySizeLimit:
             f"the request body is {got} bytes; this server takes at most {self.max_bytes} "
             "(--max-request-body-bytes)"
         )
-        body = json.dumps(error_body(413, message)).encode()
-        await send({"type": "http.response.start", "status": 413,
+        await self._send(send, 413, error_body(413, message))
+
+    async def _send(self, send: Any, status: int, body: dict) -> None:
+        await send({"type": "http.response.start", "status": status,
                     "headers": [(b"content-type", b"application/json")]})  # fmt: skip
-        await send({"type": "http.response.body", "body": body})
+        await send({"type": "http.response.body", "body": json.dumps(body).encode()})

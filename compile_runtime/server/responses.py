@@ -13,11 +13,18 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
 from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.api_error import APIError
 from compile_runtime.server.chat_completions import chat
+from compile_runtime.server.errors import validation_message
 from compile_runtime.server.handlers import Server
-from compile_runtime.server.protocol import ChatCompletionRequest, ResponsesRequest
+from compile_runtime.server.protocol import (
+    ChatCompletionRequest,
+    ResponsesRequest,
+    SamplingExtras,
+)
 from compile_runtime.server.response_events import stream_events
 from compile_runtime.server.response_items import ResponseShell, output_items, response_usage
 
@@ -128,15 +135,28 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
     messages = system + conversation
     if not messages:
         raise APIError(400, "input: give at least one message", "input")
-    extra = dict(body.model_extra or {})  # vLLM's sampling extras, judged as chat's are
-    return ChatCompletionRequest(
+    # vLLM's sampling extras, as the request set them (validated by ResponsesRequest).
+    extras = {
+        n: getattr(body, n) for n in SamplingExtras.model_fields if n in body.model_fields_set
+    }
+    # Fields it does not model: a chat field by another name is refused, the rest are judged
+    # as chat's unknown fields are (unsupported.py).
+    unknown = dict(body.model_extra or {})
+    for name in unknown:
+        if name in ChatCompletionRequest.model_fields:
+            raise APIError(400, f"{name}: not a field of /v1/responses", name)
+    fields = dict(
         model=body.model, messages=messages, max_completion_tokens=body.max_output_tokens,
         temperature=body.temperature, top_p=body.top_p, tools=chat_tools(body.tools),
         tool_choice=chat_tool_choice(body.tool_choice), response_format=response_format(body.text),
         logprobs=bool(body.top_logprobs), top_logprobs=body.top_logprobs or None,
         stream=body.stream, stream_options={"include_usage": True} if body.stream else None,
-        **extra,
     )  # fmt: skip
+    try:
+        return ChatCompletionRequest.model_validate({**unknown, **extras, **fields})
+    except ValidationError as e:
+        message, param = validation_message(list(e.errors()))
+        raise APIError(400, message, param) from None
 
 
 async def responses(server: Server, body: ResponsesRequest, tokens: TokenCounts) -> Any:

@@ -30,6 +30,8 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         lora_modules=[parse_lora_module(m) for m in args.lora_modules or []],
         runtime_lora_updating=args.allow_runtime_lora_updating or runtime_updating_from_env(),
         max_worker_restarts=args.max_worker_restarts,
+        trust_request_chat_template=args.trust_request_chat_template,
+        lora_root=args.lora_root,
     )
     if not args.disable_access_log:  # one INFO line per request (access_log.py)
         logging.getLogger("compile_runtime.server.access").setLevel(logging.INFO)
@@ -37,6 +39,8 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
         max_body_bytes=args.max_request_body_bytes,
         max_prompts=args.max_prompts_per_request,
         max_choices=args.max_choices_per_request,
+        max_body_bytes_in_flight=args.max_body_bytes_in_flight,
+        prepare_seconds=args.max_prepare_seconds,
     )
     keys = api_keys(args.api_key)
     if not keys and args.host not in ("127.0.0.1", "localhost", "::1"):

@@ -7,7 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from compile_runtime.server.api_error import APIError
-from compile_runtime.server.engine_inputs import chat_token_ids
+from compile_runtime.server.engine_inputs import (
+    chat_token_ids,
+    check_text_length,
+    text_bound,
+)
 from compile_runtime.server.protocol import DetokenizeRequest, TokenizeRequest
 
 
@@ -17,18 +21,23 @@ def _tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
-def tokenize(body: TokenizeRequest, tokenizer: Any, served: Any, max_model_len: int) -> dict:
+def tokenize(
+    body: TokenizeRequest, tokenizer: Any, served: Any, max_model_len: int, trust: bool = False
+) -> dict:
     """``{"count", "max_model_len", "tokens"}`` (and ``token_strs`` when asked); ``served``:
-    the models asked for by name (``lora_modules.ServedAdapters``)."""
+    the models asked for by name (``lora_modules.ServedAdapters``); ``trust``: the request
+    may bring its own chat template. Text longer than ``max_model_len`` tokens can hold is
+    refused; the caller runs this in a worker thread."""
     served.resolve(body.model)
     tok = _tokenizer(tokenizer)
     if (body.prompt is None) == (body.messages is None):
         raise APIError(400, "prompt: give exactly one of prompt and messages", "prompt")
     if body.prompt is not None:
         add_special = body.add_special_tokens is not False
+        check_text_length(len(body.prompt), text_bound(tok, max_model_len), "prompt")
         ids = tok(body.prompt, add_special_tokens=add_special)["input_ids"]
     else:
-        ids = chat_token_ids(body, tok, body.tools)
+        ids = chat_token_ids(body, tok, body.tools, max_model_len, trust)
     out: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len, "tokens": ids}
     if body.return_token_strs:
         out["token_strs"] = tok.convert_ids_to_tokens(ids)

@@ -49,10 +49,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any, SamplingFields], bool], str]] = {
     "functions": (_set, LEGACY_TOOLS),
     "function_call": (_not("none"), LEGACY_TOOLS),
     "guided_whitespace_pattern": (_set, "a whitespace pattern for JSON is not supported"),
-    "best_of": (
-        lambda v, b: v is not None and v > b.num_choices,
-        "best_of > n (returning the best of more samples) is not supported; set it to n",
-    ),
     "use_beam_search": (_set, BEAM),
     "length_penalty": (_not(1, 1.0), BEAM),
     "suffix": (_set, "suffix (insertion) is not supported"),
@@ -81,6 +77,9 @@ def check_fields(body: SamplingFields) -> None:
     if body.prompt_logprobs and body.stream:  # vLLM's rule and words (0 is taken)
         message = "`prompt_logprobs` are not available when `stream=True`."
         raise APIError(400, message, "prompt_logprobs")
+    if body.best_of is not None and body.best_of > body.num_choices:
+        message = "best_of > n (returning the best of more samples) is not supported; set it to n"
+        raise APIError(400, f"best_of: {message}", "best_of")
     extra = body.model_extra or {}
     for name, value in extra.items():
         rule = UNSUPPORTED.get(name)
