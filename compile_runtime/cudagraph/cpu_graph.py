@@ -116,15 +116,27 @@ def dry_captures() -> Iterator[None]:
         _dry_captures = previous
 
 
+def asks_for_cpu_graphs(config: Any) -> bool:
+    """Whether ``config`` has what CPU graphs need: graphs asked for, pieces compiled by
+    Inductor (eager pieces are torch ops, which a replay cannot repeat: every capture would
+    be refused). The engine decides the graph sizes from it, before any rank starts."""
+    from compile_runtime.config import CompilationMode, CUDAGraphMode
+
+    return (
+        config.cudagraph_mode != CUDAGraphMode.NONE
+        and config.mode != CompilationMode.NONE
+        and config.backend == "inductor"
+    )
+
+
 def records_cpu_graphs(config: Any) -> bool:
-    """Whether a model compiled with ``config`` gets CPU graphs: graphs asked for, pieces
-    compiled by Inductor (eager pieces are torch ops, which a replay cannot repeat: every
-    capture would be refused), and the replay loop built here."""
+    """Whether a model compiled with ``config`` gets CPU graphs: ``asks_for_cpu_graphs``, and
+    the replay loop built here."""
     from compile_runtime.config import CompilationMode, CUDAGraphMode
 
     if config.cudagraph_mode == CUDAGraphMode.NONE or not cpu_graphs_available():
         return False
-    if config.mode == CompilationMode.NONE or config.backend != "inductor":
+    if not asks_for_cpu_graphs(config):
         logger.info(
             "no CPU graphs: they replay Inductor's kernels, and this model runs %s",
             "uncompiled" if config.mode == CompilationMode.NONE else "eager pieces",

@@ -20,6 +20,7 @@ from compile_runtime.config import (
     RunnerConfig,
     parse_config,
 )
+from compile_runtime.cudagraph.cpu_graph import asks_for_cpu_graphs
 from compile_runtime.device import default_device
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
@@ -95,10 +96,10 @@ def decide_engine_config(
         runner_config, hf_config, resolved_dtype, device, tp_size, config.pipeline_parallel_size
     )
     # The graph sizes too: an "auto:FILE" spec read here once, not on every rank.
+    compilation = config.compilation_config
+    cpu_graphs = torch.device(device).type == "cpu" and asks_for_cpu_graphs(compilation)
     capture_sizes = decide_capture_sizes(
-        config.compilation_config,
-        runner_config.max_num_tokens,
-        cpu=torch.device(device).type == "cpu",
+        compilation, runner_config.max_num_tokens, cpu_graphs=cpu_graphs
     )
     return config.model_copy(
         update={"runner_config": runner_config, "cudagraph_capture_sizes": capture_sizes}

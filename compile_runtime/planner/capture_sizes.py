@@ -109,14 +109,13 @@ CPU_MAX_CAPTURE_SIZE = 64
 
 
 def decide_capture_sizes(
-    config: CompilationConfig, max_num_tokens: int, *, cpu: bool
+    config: CompilationConfig, max_num_tokens: int, *, cpu_graphs: bool
 ) -> tuple[int, ...]:
-    """The graph sizes every rank captures, decided once by the engine: ``config``'s (on a CPU
-    the default ladder capped for CPU graphs), bounded by the runner's tokens per step. An
+    """The graph sizes every rank captures, decided once by the engine: ``config``'s (for CPU
+    graphs the default ladder capped), bounded by the runner's tokens per step. An
     ``auto:FILE`` spec reads its file here, in the driver, not on every rank."""
-    return tuple(
-        resolve_capture_sizes(cpu_capture_config(config) if cpu else config, max_num_tokens)
-    )
+    capped = cpu_capture_config(config) if cpu_graphs else config
+    return tuple(resolve_capture_sizes(capped, max_num_tokens))
 
 
 def cpu_capture_config(config: CompilationConfig) -> CompilationConfig:
