@@ -1,6 +1,6 @@
 """Where a CPU decode step's time goes: the replayed forward, its native calls alone, the rest.
 
-The runtime captures each decode size into a CPU graph (``cudagraph/cpu_graph.py``) and
+The runtime captures each decode size into a CPU graph (``compile_runtime/cpu/graph.py``) and
 replays it from C. This measures, on the real model, at batch 1 and batch 8, in one run:
 
 * ``unreplayed``: the decode forward with ``cudagraph_mode="NONE"`` (every step through
@@ -37,7 +37,7 @@ import sys
 import time
 
 import compile_runtime as cr
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
+from compile_runtime.graphs.wrapper import CUDAGraphWrapper
 from compile_runtime.table import format_table
 
 HERE = os.path.dirname(os.path.abspath(__file__))

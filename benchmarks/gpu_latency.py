@@ -58,8 +58,8 @@ class Bench:
         import torch
 
         import compile_runtime as cr
-        from compile_runtime.cudagraph.capture import capture
-        from compile_runtime.cudagraph.wrapper import wrap_full_model
+        from compile_runtime.graphs.capture import capture
+        from compile_runtime.graphs.wrapper import wrap_full_model
 
         self.torch, self.cr = torch, cr
         self.model_name, self.mode = model_name, mode

@@ -298,7 +298,7 @@ class LatencyBench:
         self.captured: set[int] = set()  # sizes whose piecewise graphs exist
 
     def _dispatcher(self, sizes: list[int]):
-        from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+        from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 
         config = self.config.replace(cudagraph_capture_sizes=sizes)
         dispatcher = CudagraphDispatcher(config, max_num_tokens=BUDGET, max_num_reqs=MAX_NUM_SEQS)
@@ -316,7 +316,7 @@ class LatencyBench:
         import torch
 
         import compile_runtime as cr
-        from compile_runtime.cudagraph.capture import CaptureInputs, capture
+        from compile_runtime.graphs.capture import CaptureInputs, capture
 
         dispatcher = self._dispatcher(sizes)
         ids, pos = self.ids, self.pos

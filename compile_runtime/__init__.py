@@ -24,13 +24,13 @@ from compile_runtime.config import (
     set_compilation_config,
 )
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
 from compile_runtime.forward_context import (
     BatchDescriptor,
     ForwardContextError,
     get_forward_context,
     set_forward_context,
 )
+from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 from compile_runtime.version import __version__
 
 # Generation pulls in transformers and the model code: imported on first use.

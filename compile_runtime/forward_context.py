@@ -28,7 +28,7 @@ class BatchDescriptor:
     num_reqs: int | None = None  # None: any number of requests
     uniform: bool = False  # a uniform decode batch (is_uniform_decode): the decode graphs
     # Some token of the batch runs a LoRA adapter: its graphs hold the LoRA calls, those of
-    # the same batch without adapters do not (ops/cpu_lora.py).
+    # the same batch without adapters do not (compile_runtime/cpu/lora.py).
     has_lora: bool = False
 
     def relaxed(self) -> BatchDescriptor:

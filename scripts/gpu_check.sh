@@ -217,7 +217,7 @@ if ! "$PY" -c "$PYDANTIC2" 2>/dev/null; then
 fi
 
 echo "== compile_runtime"
-CHECK="import compile_runtime.backends, compile_runtime.passes, compile_runtime.cudagraph.wrapper as c; print('imported', c.__file__)"
+CHECK="import compile_runtime.backends, compile_runtime.passes, compile_runtime.graphs.wrapper as c; print('imported', c.__file__)"
 # pytest with SIGTERM (the step's time limit) as KeyboardInterrupt: a cut run still prints
 # its summary (what passed, failed and skipped, and where it stopped).
 PYTEST_MAIN="import signal, sys, pytest; signal.signal(signal.SIGTERM, signal.default_int_handler); sys.exit(pytest.console_main())"

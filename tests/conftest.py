@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
+from compile_runtime.cpu.kernel_tuning import ENV_VAR as KERNEL_TUNING_ENV
 from compile_runtime.device import DEVICE_ENV
-from compile_runtime.ops.kernel_tuning import ENV_VAR as KERNEL_TUNING_ENV
 
 # testing/ (scaffolding the tests share with the benchmarks, at the repository root and not
 # installed) is importable here and in the processes tests start. The root goes last on the
@@ -24,7 +24,7 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (os.environ.get("PYTHONPAT
 # cache does not depend on it: tests/test_cache.py starts at 1 and 2 threads.)
 os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 
-# The linear kernels are chosen by timing them on the machine (ops/kernel_tuning.py), and a
+# The linear kernels are chosen by timing them on the machine (compile_runtime/cpu/kernel_tuning.py), and a
 # choice made by a noisy timing would change which float32 sums a test's outputs round
 # from: the suite runs the built-in choices, and tests/test_kernel_tuning.py turns tuning
 # on for what it tests.

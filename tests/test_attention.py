@@ -18,12 +18,12 @@ from compile_runtime.backends.attention import (
     min_cg_support,
     use_attn_backend,
 )
-from compile_runtime.backends.attention.cpu_batched import CPUBatchedBackend
 from compile_runtime.backends.attention.flashinfer_attn import FlashInferBackend
 from compile_runtime.backends.attention.torch_native import TorchNativeBackend
 from compile_runtime.backends.attention.triton_attn import TritonBackend
 
 from compile_runtime.attention.selector import ENV_VAR
+from compile_runtime.cpu.attention import CPUBatchedBackend
 
 pytest.importorskip("hypothesis")
 from hypothesis import given, settings
@@ -171,7 +171,8 @@ SOFT_CAP_CASES = [
 @pytest.mark.parametrize("cap, window", [(0.5, None), (5.0, None), (2.0, 7)])
 def test_cpu_backend_logits_soft_cap(monkeypatch, name, kernel, cap, window):
     """Gemma 2's cap on the scaled logits, in every CPU path, against the written-out math."""
-    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+    from compile_runtime.cpu import attention as cpu_batched
+    from compile_runtime.cpu import decode_kernel as cpu_decode_kernel
 
     if kernel:
         assert cpu_decode_kernel.load_decode_kernel() is not None  # CI machines have a compiler
@@ -639,7 +640,8 @@ KERNEL_SHAPES = [(8, 2, 64), (9, 3, 64), (4, 2, 64), (2, 2, 64), (4, 4, 128), (4
 def test_cpu_decode_kernel_equals_torch_ops(monkeypatch, heads, kv_heads, head_size, dtype):
     """The C decode kernel (cache writes + decode attention) and the torch-op path agree;
     in bf16 the kernel sums in float32, so it is closer to the float64 reference."""
-    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+    from compile_runtime.cpu import attention as cpu_batched
+    from compile_runtime.cpu import decode_kernel as cpu_decode_kernel
 
     assert cpu_decode_kernel.load_decode_kernel() is not None  # CI machines have a compiler
     batch = make_paged_batch(
@@ -670,7 +672,7 @@ def test_cpu_decode_kernel_takes_speculative_verify_batches(monkeypatch, dtype):
     """1 + k query tokens a request (speculative decoding's verify step, the FULL graph's
     batch): the C kernel takes the whole uniform batch, each query seeing the keys up to its
     own position, and agrees with the torch path (SDPA, causal mask) and the reference."""
-    from compile_runtime.backends.attention import cpu_batched
+    from compile_runtime.cpu import attention as cpu_batched
 
     batch = make_paged_batch(
         [3, 3, 3], [70, 0, 14], num_heads=9, num_kv_heads=3, head_size=64, block_size=16,
@@ -692,7 +694,7 @@ def test_cpu_decode_kernel_takes_speculative_verify_batches(monkeypatch, dtype):
 
 
 def test_cpu_decode_kernel_without_a_compiler_falls_back(monkeypatch, tmp_path):
-    from compile_runtime.backends.attention import cpu_decode_kernel
+    from compile_runtime.cpu import decode_kernel as cpu_decode_kernel
 
     cpu_decode_kernel.load_decode_kernel.cache_clear()
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
@@ -715,7 +717,7 @@ def test_cpu_decode_kernel_refuses_blocks_outside_the_cache():
 
 def test_cpu_batched_torch_path_ignores_garbage_past_a_request(monkeypatch):
     """Keys past a request's length are other requests' old data: inf there must not leak."""
-    from compile_runtime.backends.attention import cpu_batched
+    from compile_runtime.cpu import attention as cpu_batched
 
     monkeypatch.setattr(cpu_batched, "load_decode_kernel", lambda: None)
     batch = make_paged_batch([1, 1], [40, 3], num_heads=4, num_kv_heads=2, head_size=64,
@@ -732,7 +734,8 @@ def test_cpu_batched_torch_path_ignores_garbage_past_a_request(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cpu_decode_kernel_other_block_sizes(monkeypatch, block_size, dtype):
     """Scores are taken 16 keys at a time: blocks of fewer, more, and not a multiple of 16."""
-    from compile_runtime.backends.attention import cpu_batched, cpu_decode_kernel
+    from compile_runtime.cpu import attention as cpu_batched
+    from compile_runtime.cpu import decode_kernel as cpu_decode_kernel
 
     assert cpu_decode_kernel.load_decode_kernel() is not None
     batch = make_paged_batch(

@@ -8,9 +8,9 @@ import pathlib
 
 import pytest
 
-from compile_runtime.ops.c_header import HeaderError, parse_header
-from compile_runtime.ops.c_library import CSRC, c_compiler, load_c_library
-from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.cpu.c_header import HeaderError, parse_header
+from compile_runtime.cpu.c_library import CSRC, c_compiler, load_c_library
+from compile_runtime.cpu.native_function import NativeFunction
 
 HEADER = """/* a header as ours are written */
 #pragma once
@@ -127,7 +127,7 @@ def test_a_library_built_ahead_is_built_once_and_waited_for(tmp_path, monkeypatc
     same library while it builds waits for that build instead of starting its own."""
     import threading
 
-    from compile_runtime.ops import c_library
+    from compile_runtime.cpu import c_library
 
     monkeypatch.setenv("COMPILE_RUNTIME_CACHE_DIR", str(tmp_path / "cache"))
     _write(tmp_path, LIBRARY)

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.ops import cpu_amx, cpu_linear
+from compile_runtime.cpu import amx as cpu_amx
+from compile_runtime.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(
     not cpu_amx.amx_available(), reason="this CPU (or kernel) has no AMX-BF16 tiles"

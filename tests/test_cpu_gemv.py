@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compile_runtime.ops import cpu_gemv, cpu_linear
+from compile_runtime.cpu import gemv as cpu_gemv
+from compile_runtime.cpu import linear as cpu_linear
 
 # Tolerances: float32 sums in another order; bf16 outputs are rounded once to bf16.
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}

@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from compile_runtime.backends.attention.cpu_batched import CPUBatchedMetadataBuilder
 
 import compile_runtime as cr
 from compile_runtime.attention.metadata import MetadataError
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph import cpu_graph
-from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
-from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
-from compile_runtime.ops import cpu_linear
-from compile_runtime.ops.cpu_quant_gemm import kernel_available
+from compile_runtime.cpu import graph as cpu_graph
+from compile_runtime.cpu import linear as cpu_linear
+from compile_runtime.cpu.attention import CPUBatchedMetadataBuilder
+from compile_runtime.cpu.graph import cpu_graphs_available
+from compile_runtime.cpu.graph_pool import CPUGraphPool
+from compile_runtime.cpu.quant_gemm import kernel_available
+from compile_runtime.graphs.wrapper import CUDAGraphWrapper
 
 pytestmark = pytest.mark.skipif(not cpu_graphs_available(), reason="needs a C compiler")
 
@@ -213,7 +213,7 @@ def test_token_ids_outside_the_vocabulary_are_an_error_not_a_replay(model_dirs):
 def test_float_arguments_are_refused_when_a_native_function_is_declared():
     import ctypes
 
-    from compile_runtime.ops.native_function import NativeFunction
+    from compile_runtime.cpu.native_function import NativeFunction
 
     libc = ctypes.CDLL(None)
     with pytest.raises(TypeError, match="floating point"):
@@ -258,7 +258,7 @@ def test_a_matmul_replays_through_a_callback_and_follows_its_inputs():
 
 @pytest.mark.parametrize("kernel", ["gemv", "onednn", "linear"])
 def test_every_linear_kernel_the_tuning_may_choose_replays(model_dirs, monkeypatch, kernel):
-    """A tuned table may give any row bucket any kernel (ops/kernel_tuning.py): each one is
+    """A tuned table may give any row bucket any kernel (compile_runtime/cpu/kernel_tuning.py): each one is
     captured (native call or callback into torch), at every size, with the tokens of the
     same kernel run unreplayed."""
     if kernel == "gemv" and torch.float32 not in cpu_linear.gemv_dtypes():
@@ -278,7 +278,7 @@ def test_a_dry_capture_records_native_calls_without_running_them():
     """Start-up's captures are dry (their steps are dummies): the first replay computes."""
     import ctypes
 
-    from compile_runtime.ops.native_function import NativeFunction
+    from compile_runtime.cpu.native_function import NativeFunction
 
     argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
     memset = NativeFunction(ctypes.CDLL(None), "memset", argtypes, ctypes.c_void_p)

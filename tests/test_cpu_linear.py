@@ -9,9 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import compile_runtime as cr
+from compile_runtime.cpu import linear as cpu_linear
+from compile_runtime.cpu import packed_weights
+from compile_runtime.cpu.packed_weights import lookup
 from compile_runtime.distributed import ColumnParallelLinear, RowParallelLinear
-from compile_runtime.ops import cpu_linear, packed_weights
-from compile_runtime.ops.packed_weights import lookup
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 17, 64])

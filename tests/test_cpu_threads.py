@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compile_runtime.worker import cpu_threads
+from compile_runtime.cpu import threads as cpu_threads
 
 
 def test_default_subtracts_busy_cores_and_splits_over_ranks(monkeypatch):
@@ -73,7 +73,7 @@ def test_cores_are_counted_right_when_openmp_pins_its_threads():
 
     code = (
         "import torch\n"
-        "from compile_runtime.worker.cpu_threads import usable_cores\n"
+        "from compile_runtime.cpu.threads import usable_cores\n"
         "print(usable_cores())\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}

@@ -11,8 +11,8 @@ from torch.utils._pytree import tree_leaves
 
 import compile_runtime as cr
 from compile_runtime.compiler.decorator import compiled_model, set_graph_factory
-from compile_runtime.cudagraph.capture import CaptureInputs, capture
-from compile_runtime.cudagraph.wrapper import (
+from compile_runtime.graphs.capture import CaptureInputs, capture
+from compile_runtime.graphs.wrapper import (
     CUDAGraphAddressError,
     CUDAGraphCaptureError,
     CUDAGraphWrapper,

@@ -7,8 +7,8 @@ import torch
 
 import compile_runtime as cr
 from compile_runtime.compiler.decorator import compiled_model
-from compile_runtime.cudagraph.capture import capture
-from compile_runtime.cudagraph.wrapper import (
+from compile_runtime.graphs.capture import capture
+from compile_runtime.graphs.wrapper import (
     CUDAGraphAddressError,
     CUDAGraphWrapper,
     wrap_full_model,

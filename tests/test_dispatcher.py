@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import compile_runtime as cr
-from compile_runtime.cudagraph.dispatcher import (
+from compile_runtime.graphs.dispatcher import (
     BatchDescriptor,
     CudagraphDispatcher,
     is_uniform_decode,

@@ -9,7 +9,7 @@
 * Every repository path written in backticks (inline or in a code block) exists: a word
   with a ``/`` whose first folder is one at the repository's top (``benchmarks/vs_vllm.py``,
   ``scripts/gpu_check.sh``), or any word with a ``/`` that ends in a source file's extension
-  (so ``ops/cpu_linear.py``, relative to nothing, fails too). Paths the repository ignores
+  (so ``compile_runtime/cpu/linear.py``, relative to nothing, fails too). Paths the repository ignores
   (built or downloaded: ``.models/``, ``benchmarks/.peers/``) are not checked.
   Dotted names of ours (``compile_runtime.models.smollm2``) must name a module, or a module
   and something it defines.
@@ -244,9 +244,9 @@ def test_readme_links_exist():
 
 
 def test_path_check_catches_a_moved_file():
-    found = repository_paths("see `benchmarks/vs_vllm.py` and `ops/cpu_linear.py`, `a/b`\n")
-    assert found == {"benchmarks/vs_vllm.py", "ops/cpu_linear.py"}
-    assert not (REPO / "ops/cpu_linear.py").exists()
+    found = repository_paths("see `benchmarks/vs_vllm.py` and `compile_runtime/ops/cpu_linear.py`, `a/b`\n")
+    assert found == {"benchmarks/vs_vllm.py", "compile_runtime/ops/cpu_linear.py"}
+    assert not (REPO / "compile_runtime/ops/cpu_linear.py").exists()
 
 
 ISSUE = re.compile(r"\bissues?\s*(?:#|no\.?\s*)?\d+|(?<![\w&/#])#\d+\b", re.I)

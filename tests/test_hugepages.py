@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from compile_runtime.ops.hugepages import HUGE_PAGE, move_into_hugepages
+from compile_runtime.cpu.hugepages import HUGE_PAGE, move_into_hugepages
 
 pytestmark = pytest.mark.skipif(
     not hasattr(mmap, "MADV_HUGEPAGE"), reason="madvise(MADV_HUGEPAGE) is Linux only"

@@ -1,4 +1,4 @@
-"""The CPU linear kernels chosen by measuring them (ops/kernel_tuning.py): chosen, saved,
+"""The CPU linear kernels chosen by measuring them (compile_runtime/cpu/kernel_tuning.py): chosen, saved,
 read back with no timing, measured again for another CPU or other shapes, a damaged or
 foreign table ignored with one warning; every kernel it may choose computes F.linear."""
 
@@ -14,16 +14,17 @@ import torch.nn.functional as F
 
 from compile_runtime.cli.main import main
 from compile_runtime.config import CompilationConfig
-from compile_runtime.models.registry import load_model
-from compile_runtime.ops import cpu_linear, kernel_tuning
-from compile_runtime.ops.cpu_linear import (
+from compile_runtime.cpu import kernel_tuning
+from compile_runtime.cpu import linear as cpu_linear
+from compile_runtime.cpu.linear import (
     ROW_BUCKETS,
     bucket_index,
     built_in_kernel,
     candidates,
     run_kernel,
 )
-from compile_runtime.ops.packed_weights import lookup
+from compile_runtime.cpu.packed_weights import lookup
+from compile_runtime.models.registry import load_model
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2}  # of the output's largest magnitude
 

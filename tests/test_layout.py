@@ -106,7 +106,7 @@ def test_the_graph_sees_the_package():
     graph = import_graph()
     assert (
         "compile_runtime.config" in graph
-        and "compile_runtime.backends.attention.cpu_batched" in graph
+        and "compile_runtime.cpu.attention" in graph
     )
     assert "compile_runtime.config" in graph["compile_runtime.compiler.decorator"]
 

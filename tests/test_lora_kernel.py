@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compile_runtime.cpu import lora as cpu_lora
+from compile_runtime.cpu.lora import lora_add_, lora_add_reference
 from compile_runtime.forward_context import BatchDescriptor, set_forward_context
-from compile_runtime.ops import cpu_lora
-from compile_runtime.ops.cpu_lora import lora_add_, lora_add_reference
 
 needs_kernel = pytest.mark.skipif(not cpu_lora._kernels(), reason="no C compiler here")
 

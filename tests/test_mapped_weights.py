@@ -19,7 +19,7 @@ import pytest
 
 import compile_runtime as cr
 from compile_runtime.cache import weight_file
-from compile_runtime.ops.cpu_quant_gemm import kernel_available
+from compile_runtime.cpu.quant_gemm import kernel_available
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 30))]
 

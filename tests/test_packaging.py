@@ -58,6 +58,6 @@ def test_wheel_holds_every_package_the_c_sources_and_nothing_at_top(tmp_path):
     assert packaged == _source_packages()
     # the C kernels compile on the machine they run on: their sources and headers ship
     c_sources = {
-        f"compile_runtime/csrc/{p.name}" for p in (ROOT / "compile_runtime/csrc").iterdir()
+        f"compile_runtime/cpu/csrc/{p.name}" for p in (ROOT / "compile_runtime/cpu/csrc").iterdir()
     }
     assert c_sources and c_sources <= set(files)

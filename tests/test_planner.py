@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import compile_runtime as cr
 from compile_runtime.cli.main import main
-from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
+from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 from compile_runtime.planner import (
     Workload,
     WorkloadError,

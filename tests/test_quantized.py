@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
-from compile_runtime.ops import cpu_quant_formats as qf
-from compile_runtime.ops.cpu_linear import cpu_linear_impl
-from compile_runtime.ops.cpu_quant_embedding import quant_embedding
-from compile_runtime.ops.cpu_quant_gemm import kernel_available, quant_linear
-from compile_runtime.ops.packed_weights import forget
+from compile_runtime.cpu import quant_formats as qf
+from compile_runtime.cpu.linear import cpu_linear_impl
+from compile_runtime.cpu.packed_weights import forget
+from compile_runtime.cpu.quant_embedding import quant_embedding
+from compile_runtime.cpu.quant_gemm import kernel_available, quant_linear
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize as gguf_dequantize  # noqa: E402

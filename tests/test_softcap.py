@@ -134,7 +134,7 @@ def test_layers_whose_metadata_differs_get_a_builder_each(model_dirs, monkeypatc
     """FlashInfer plans window and cap into the step (GPU only); here the CPU backend is made to
     say the same, and Gemma 2's alternating layers must get two builders and still give
     transformers' tokens."""
-    from compile_runtime.backends.attention.cpu_batched import CPUBatchedBackend
+    from compile_runtime.cpu.attention import CPUBatchedBackend
 
     monkeypatch.setattr(
         CPUBatchedBackend,

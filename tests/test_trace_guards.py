@@ -13,7 +13,7 @@ from compile_runtime.compiler.compiled_forward import TracedArgumentError
 from compile_runtime.compiler.decorator import attention_split, compiled_model, set_graph_factory
 from compile_runtime.compiler.split import SplittingOpError
 from compile_runtime.config import CudagraphModeError
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper
+from compile_runtime.graphs.wrapper import CUDAGraphWrapper
 from testing.toy import build
 
 counter = cr.compilation_counter

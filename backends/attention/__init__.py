@@ -3,8 +3,7 @@ interface, chosen by ``compile_runtime/attention/selector.py`` (which imports th
 so nothing below this package depends on it).
 
 * ``torch_native``: the per-request reference every other backend is tested against;
-* ``cpu_batched`` (+ ``cpu_batched_plan``, its host plan, and ``cpu_decode_kernel``, its C
-  decode kernel): the CPU default;
+* the CPU default, ``cpu_batched``, lives with the CPU platform (``compile_runtime/cpu/``);
 * ``triton_attn`` (+ ``triton_kernel``): one kernel for mixed batches, FULL graphs always;
 * ``flashinfer_attn``: FlashInfer's wrappers, planned once per step.
 """

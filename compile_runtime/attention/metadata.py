@@ -32,7 +32,7 @@ import torch
 
 from compile_runtime.attention.kv_cache import PADDING_SLOT
 from compile_runtime.attention.spec import AttentionSpec
-from compile_runtime.cudagraph.dispatcher import is_uniform_decode
+from compile_runtime.graphs.dispatcher import is_uniform_decode
 from compile_runtime.platforms.select import platform_for
 
 

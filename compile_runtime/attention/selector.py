@@ -33,7 +33,7 @@ ENV_VAR = "COMPILE_RUNTIME_ATTENTION_BACKEND"
 
 _BACKENDS: dict[str, tuple[str, str]] = {
     "torch_native": ("compile_runtime.backends.attention.torch_native", "TorchNativeBackend"),
-    "cpu_batched": ("compile_runtime.backends.attention.cpu_batched", "CPUBatchedBackend"),
+    "cpu_batched": ("compile_runtime.cpu.attention", "CPUBatchedBackend"),
     "triton": ("compile_runtime.backends.attention.triton_attn", "TritonBackend"),
     "flashinfer": ("compile_runtime.backends.attention.flashinfer_attn", "FlashInferBackend"),
 }

@@ -12,7 +12,7 @@ from typing import Any
 from compile_runtime.cache import archive, manage, weight_file
 from compile_runtime.cache.location import cache_root, check_root
 from compile_runtime.cli.tune import describe
-from compile_runtime.ops.kernel_tuning import TuningTable, list_tables
+from compile_runtime.cpu.kernel_tuning import TuningTable, list_tables
 from compile_runtime.table import format_table
 
 _SIZE = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -125,7 +125,7 @@ def _weight_file_lines(files: list) -> list[str]:
 
 
 def _tuning_lines(tables: list) -> list[str]:
-    """The CPU kernel tuning tables (``ops/kernel_tuning.py``): each one's CPU and choices."""
+    """The CPU kernel tuning tables (``compile_runtime/cpu/kernel_tuning.py``): each one's CPU and choices."""
     lines = []
     for path, table in tables:
         if not isinstance(table, TuningTable):

@@ -3,7 +3,7 @@
     compile-runtime tune --model DIR [--dtype D] [--quantization Q] [--num-threads N]
                          [--budget-s S] [--cache-dir DIR] [--json]
 
-An engine does this by itself at its first start on a machine (``ops/kernel_tuning.py``);
+An engine does this by itself at its first start on a machine (``compile_runtime/cpu/kernel_tuning.py``);
 ``tune`` measures again (after a change of machine load, threads or BIOS settings) and
 replaces the saved table, so the next start reads the new one.
 ``register(sub)`` adds it to the top-level parser (compile_runtime/cli/main.py).
@@ -17,8 +17,8 @@ import json
 import torch
 
 from compile_runtime.cli.argtypes import positive_int
+from compile_runtime.cpu.kernel_tuning import BUDGET_S, TuningTable, tune_linear_kernels
 from compile_runtime.models.dtype import DTYPE_CHOICES
-from compile_runtime.ops.kernel_tuning import BUDGET_S, TuningTable, tune_linear_kernels
 from compile_runtime.table import format_table
 
 
@@ -55,9 +55,9 @@ def describe(table: TuningTable) -> str:
 
 def cmd_tune(args: argparse.Namespace) -> int:
     from compile_runtime.config import CompilationConfig
+    from compile_runtime.cpu.threads import set_num_threads
     from compile_runtime.engine.engine_config import decide_engine_config
     from compile_runtime.models.registry import load_model
-    from compile_runtime.worker.cpu_threads import set_num_threads
 
     options = {"device": "cpu", "num_threads": args.num_threads, "quantization": args.quantization}
     config = decide_engine_config(args.model, None, args.dtype, options)

@@ -40,7 +40,7 @@ from compile_runtime.compiler.piece_store import CompileResult
 from compile_runtime.compiler.piecewise import PiecewiseRuntime
 from compile_runtime.compiler.split import Piece
 from compile_runtime.config import CompilationConfig, CompilationMode, get_compilation_config
-from compile_runtime.cudagraph.wrapper import GraphFactory
+from compile_runtime.graphs.wrapper import GraphFactory
 from compile_runtime.passes.manager import PassManager
 
 M = TypeVar("M", bound=type)

@@ -38,8 +38,8 @@ from compile_runtime.compiler.split import (
 )
 from compile_runtime.config import CompilationConfig, CompilationMode
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_piece
 from compile_runtime.distributed.parallel_state import pipeline_stage_name, rank, world_size
+from compile_runtime.graphs.wrapper import GraphFactory, wrap_piece
 from compile_runtime.passes.manager import PassManager
 from compile_runtime.torch_internals import detect_fake_mode, traced_code
 

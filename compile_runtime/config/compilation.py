@@ -273,7 +273,7 @@ class CompilationConfig(_FrozenModel):
         (``compile_runtime.compiler.decorator.attention_split(model)``), since a
         ``splitting_ops`` entry can match nothing. None guesses from
         ``splitting_ops`` alone. ``cpu_graphs``: the model runs on a CPU that can replay
-        CPU graphs (``cudagraph/cpu_graph.py``), which then stand in for CUDA graphs.
+        CPU graphs (``compile_runtime/cpu/graph.py``), which then stand in for CUDA graphs.
         """
         if attention_split is None:
             attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0

@@ -148,10 +148,10 @@ class RunnerConfig(CheckedConfig):
         return v
 
     # CPU: keep a copy of each linear weight packed for oneDNN (faster GEMMs at every row
-    # count, one more copy of the weights in memory); see compile_runtime/ops/cpu_linear.py.
+    # count, one more copy of the weights in memory); see compile_runtime/cpu/linear.py.
     cpu_pack_weights: bool = True
     # CPU: each float linear weight shape runs the kernel measured fastest on this CPU per
-    # row count (measured at the first start, cached; compile_runtime/ops/kernel_tuning.py).
+    # row count (measured at the first start, cached; compile_runtime/cpu/kernel_tuning.py).
     cpu_tune_kernels: bool = True
     # Weights kept quantized (CPU, native models; compile_runtime/ops/cpu_quant_*.py).
     quantization: Literal["auto", "gguf", "none", "int8"] = Field(
@@ -177,7 +177,7 @@ class RunnerConfig(CheckedConfig):
     max_cpu_loras: int | None = Field(
         None, ge=1, description="adapters kept read in memory; None: max_loras"
     )
-    # CPU: torch/OpenMP threads of this process; None = free cores (worker/cpu_threads.py).
+    # CPU: torch/OpenMP threads of this process; None = free cores (compile_runtime/cpu/threads.py).
     num_threads: int | None = Field(
         None, ge=1, description="CPU threads of each rank; None uses the free cores"
     )

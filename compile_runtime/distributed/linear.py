@@ -5,7 +5,7 @@ communication: each rank computes its own heads / intermediate columns); a
 row-parallel layer holds the matching slice of the input features and sums
 the partial products with one all-reduce. On one rank both are exactly
 ``nn.Linear`` (same parameters, same ``F.linear`` call, same bits), unless the
-runner packed their weights for oneDNN on a CPU (``compile_runtime.ops.cpu_linear``).
+runner packed their weights for oneDNN on a CPU (``compile_runtime.cpu.linear``).
 
 Every parameter carries ``tp_shard(shard_id) -> (dim, start, length) | None``:
 the part of the checkpoint tensor this rank reads (None: all of it). The
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from compile_runtime.cpu.linear import linear
 from compile_runtime.distributed.communication import tensor_parallel_all_reduce
 from compile_runtime.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from compile_runtime.distributed.sharding import HeadLayout, divide, head_layout
-from compile_runtime.ops.cpu_linear import linear
 
 ShardFn = Callable[[object], "tuple[int, int, int] | None"]
 
@@ -46,7 +46,7 @@ def _init_like_linear(weight: nn.Parameter, bias: nn.Parameter | None, fan_in: i
 class ColumnParallelLinear(nn.Module):
     """``y = x W^T + b`` with W's output rows split over ranks; output stays split."""
 
-    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+    use_packed_weight = False  # set by compile_runtime.cpu.linear.pack_linear_weights
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool, name: str):
         super().__init__()
@@ -123,7 +123,7 @@ class RowParallelLinear(nn.Module):
     the bias is added once, after the sum.
     """
 
-    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+    use_packed_weight = False  # set by compile_runtime.cpu.linear.pack_linear_weights
 
     def __init__(self, input_size: int, output_size: int, bias: bool, name: str):
         super().__init__()

@@ -17,13 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from compile_runtime.cpu.linear import linear
 from compile_runtime.distributed.communication import (
     gather_to_first_rank,
     tensor_parallel_all_reduce,
 )
 from compile_runtime.distributed.parallel_state import get_tp_rank, get_tp_world_size
 from compile_runtime.distributed.sharding import vocab_range
-from compile_runtime.ops.cpu_linear import linear
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -60,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; full logits on rank 0 only (None elsewhere)."""
 
-    use_packed_weight = False  # set by compile_runtime.ops.cpu_linear.pack_linear_weights
+    use_packed_weight = False  # set by compile_runtime.cpu.linear.pack_linear_weights
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         if self.weight.dtype == torch.uint8:

@@ -20,14 +20,14 @@ from compile_runtime.config import (
     RunnerConfig,
     parse_config,
 )
-from compile_runtime.cudagraph.cpu_graph import asks_for_cpu_graphs
+from compile_runtime.cpu.graph import asks_for_cpu_graphs
+from compile_runtime.cpu.threads import choose_num_threads
 from compile_runtime.device import default_device
 from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
 from compile_runtime.planner.capture_sizes import decide_capture_sizes
 from compile_runtime.torch_internals import check_torch_version
-from compile_runtime.worker.cpu_threads import choose_num_threads
 from compile_runtime.worker.kv_sizing import size_runner_config
 
 # EngineConfig fields decided here, not options a user passes.

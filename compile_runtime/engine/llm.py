@@ -26,6 +26,7 @@ import torch
 from compile_runtime.config import CompilationConfig, EngineConfig, RunnerConfig
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.core.stats import PrefixCacheStats
+from compile_runtime.cpu.c_library import build_ahead
 from compile_runtime.device import resolve_device
 from compile_runtime.engine.chat import chat_prompt_ids
 from compile_runtime.engine.core import EngineCore
@@ -36,7 +37,6 @@ from compile_runtime.engine.outputs import GenerateStats, RequestOutput
 from compile_runtime.executor import Executor, MultiprocExecutor, StandbyWorkers, make_executor
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
-from compile_runtime.ops.c_library import build_ahead
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
 

@@ -2,7 +2,7 @@
 
 ``request.py``: ``LoRARequest`` (vLLM's). ``adapter.py``: reading and checking a PEFT
 directory against the base model. ``slots.py``: the per-layer tensors adapters are loaded
-into (``max_loras`` slots) and the op that applies them (``ops/cpu_lora.py``).
+into (``max_loras`` slots) and the op that applies them (``compile_runtime/cpu/lora.py``).
 ``manager.py``: which adapter sits in which slot (LRU), and each step's token-to-slot map.
 """
 

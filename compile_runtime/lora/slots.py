@@ -17,8 +17,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from compile_runtime.cpu.lora import lora_add_
 from compile_runtime.lora.adapter import LoRAAdapter
-from compile_runtime.ops.cpu_lora import lora_add_
 
 
 class Part(NamedTuple):

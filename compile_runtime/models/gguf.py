@@ -31,9 +31,9 @@ import numpy as np
 import torch
 
 from compile_runtime.cache.location import cache_root
+from compile_runtime.cpu.quant_formats import BLOCK, QuantFormat, from_gguf_blocks
+from compile_runtime.cpu.quant_formats import BY_NAME as QUANT_FORMATS
 from compile_runtime.models.gguf_index import GGUFIndex, read_index
-from compile_runtime.ops.cpu_quant_formats import BLOCK, QuantFormat, from_gguf_blocks
-from compile_runtime.ops.cpu_quant_formats import BY_NAME as QUANT_FORMATS
 
 GGUF_LINK = "model.gguf"  # the file inside a materialized directory
 SOURCE_FILE = "gguf_source.json"
@@ -190,7 +190,7 @@ class GGUFTensor:
         return self.read().narrow(dim, start, length).contiguous()
 
     def read_quantized(self, dim: int | None = None, start: int = 0, length: int = 0):
-        """The quantized weight in the kernels' layout (``ops/cpu_quant_formats.py``),
+        """The quantized weight in the kernels' layout (``compile_runtime/cpu/quant_formats.py``),
         ``uint8`` [N, K / 32, block bytes]; with ``dim``, only ``[start, start + length)``
         along it: rows (dim 0), or inputs in whole blocks of 32 (dim 1)."""
         fmt = self.quant_format

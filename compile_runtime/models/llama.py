@@ -22,6 +22,8 @@ from transformers import PretrainedConfig
 
 import compile_runtime as cr
 from compile_runtime.attention.layer import Attention
+from compile_runtime.cpu.quant_embedding import quant_embedding
+from compile_runtime.cpu.quant_formats import QuantFormat
 from compile_runtime.distributed import (
     MergedColumnParallelLinear,
     ParallelLMHead,
@@ -40,8 +42,6 @@ from compile_runtime.models.loader import (
     quantize_parameters,
 )
 from compile_runtime.models.rotary import RotaryEmbedding
-from compile_runtime.ops.cpu_quant_embedding import quant_embedding
-from compile_runtime.ops.cpu_quant_formats import QuantFormat
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
-from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors, release_readers
-from compile_runtime.ops.cpu_linear import repack_linear_weights
-from compile_runtime.ops.cpu_quant_formats import (
+from compile_runtime.cpu.linear import repack_linear_weights
+from compile_runtime.cpu.packed_weights import forget
+from compile_runtime.cpu.quant_formats import (
     BLOCK,
     Q8_0,
     QuantFormat,
@@ -35,7 +35,7 @@ from compile_runtime.ops.cpu_quant_formats import (
     quantize_q8_0,
     quantized_shape,
 )
-from compile_runtime.ops.packed_weights import forget
+from compile_runtime.models.gguf import GGUFTensor, gguf_file_in, gguf_tensors, release_readers
 
 logger = logging.getLogger(__name__)
 

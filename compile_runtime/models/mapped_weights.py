@@ -33,6 +33,11 @@ from compile_runtime.cache import weight_file
 from compile_runtime.cache.weight_file import WeightFileError
 from compile_runtime.compiler.saved_program import model_fingerprint
 from compile_runtime.counters import compilation_counter
+from compile_runtime.cpu.amx import amx_available
+from compile_runtime.cpu.c_library import cpu_identity
+from compile_runtime.cpu.packed_weights import forget, lookup, record
+from compile_runtime.cpu.quant_formats import BY_NAME, QuantFormat
+from compile_runtime.cpu.quant_gemm import kernel_available
 from compile_runtime.distributed.parallel_state import (
     get_pp_rank,
     get_pp_world_size,
@@ -41,11 +46,6 @@ from compile_runtime.distributed.parallel_state import (
 )
 from compile_runtime.models.gguf import gguf_file_in
 from compile_runtime.models.loader import safetensors_files
-from compile_runtime.ops.c_library import cpu_identity
-from compile_runtime.ops.cpu_amx import amx_available
-from compile_runtime.ops.cpu_quant_formats import BY_NAME, QuantFormat
-from compile_runtime.ops.cpu_quant_gemm import kernel_available
-from compile_runtime.ops.packed_weights import forget, lookup, record
 
 logger = logging.getLogger(__name__)
 

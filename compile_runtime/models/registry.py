@@ -20,6 +20,10 @@ from transformers import AutoConfig
 
 from compile_runtime.cache.location import cache_root
 from compile_runtime.config import CompilationConfig, set_compilation_config
+from compile_runtime.cpu.hugepages import moves_held_back
+from compile_runtime.cpu.kernel_tuning import tune_linear_kernels, tuning_enabled
+from compile_runtime.cpu.linear import pack_linear_weights
+from compile_runtime.cpu.quant_gemm import kernel_available as quant_kernel_available
 from compile_runtime.distributed.parallel_state import get_pp_world_size, get_tp_world_size
 from compile_runtime.models.gguf import GGUFError, gguf_file_in
 from compile_runtime.models.llama import ARCHITECTURES, CausalLM
@@ -31,10 +35,6 @@ from compile_runtime.models.loader import (
 )
 from compile_runtime.models.mapped_weights import PackedWeightFile
 from compile_runtime.models.transformers_adapter import TransformersCausalLM
-from compile_runtime.ops.cpu_linear import pack_linear_weights
-from compile_runtime.ops.cpu_quant_gemm import kernel_available as quant_kernel_available
-from compile_runtime.ops.hugepages import moves_held_back
-from compile_runtime.ops.kernel_tuning import tune_linear_kernels, tuning_enabled
 from compile_runtime.platforms.select import platform_for
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def load_model(
     weights are packed for oneDNN unless ``cpu_pack_weights`` is False (it
     changes the traced graph, so everything that traces a model for the cache
     key loads it here), and with ``cpu_tune_kernels`` each float weight shape gets the
-    kernel measured fastest on this CPU per row count (``ops/kernel_tuning.py``).
+    kernel measured fastest on this CPU per row count (``compile_runtime/cpu/kernel_tuning.py``).
     ``hf_config``: the config already read (None: read it here).
     ``quantization``: see ``resolve_quantization``.
     """

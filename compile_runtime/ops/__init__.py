@@ -11,15 +11,8 @@ included: the passes replace a pattern only by an op of identical semantics.
     torch.ops.compile_runtime.rotary_embedding_(positions, query, key, cos_cache, sin_cache)
                                                           # in place on query and key
 
-CPU linear layers: ``cpu_linear`` (the op: the kernels a float weight can run by and
-which one runs a call; each layer's weight processed once after loading), ``kernel_tuning`` (that choice measured on this CPU, cached), ``packed_weights`` (the one record of what
-processing made of a weight, found by the op), ``cpu_gemv`` and ``cpu_amx`` (C kernels for
-float weights), ``c_library`` (builds them from ``csrc/``, typed by ``c_header`` from their
-headers), ``native_function`` (a C function a CPU graph can record), ``hugepages`` (weights
-moved into huge pages); quantized weights: ``cpu_quant_formats`` (GGUF's Q8_0/Q4_0/Q4_1
-blocks in the kernels' layout), ``cpu_quant_gemm`` (the int8 VNNI kernel),
-``cpu_quant_embedding`` (lookups that dequantize only their rows); ``cpu_lora`` (each
-token's LoRA adapter added to a linear layer's output, the C kernel of ``csrc/lora.c``).
+The CPU's own kernels (linear layers, quantized weights, LoRA, attention, CPU graphs)
+live with the rest of the CPU platform in ``compile_runtime/cpu/``.
 """
 
 from __future__ import annotations

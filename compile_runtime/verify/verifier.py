@@ -46,15 +46,15 @@ from compile_runtime.compiler.decorator import (
 from compile_runtime.compiler.piecewise import PiecewiseRuntime, runtime_size
 from compile_runtime.compiler.split import Piece, is_splitting_node
 from compile_runtime.config import CompilationConfig, CUDAGraphMode
-from compile_runtime.cudagraph.wrapper import (
-    CUDAGraphWrapper,
-    cudagraph_capturing_enabled,
-    graphs_available,
-)
 from compile_runtime.forward_context import (
     BatchDescriptor,
     is_forward_context_available,
     set_forward_context,
+)
+from compile_runtime.graphs.wrapper import (
+    CUDAGraphWrapper,
+    cudagraph_capturing_enabled,
+    graphs_available,
 )
 from compile_runtime.torch_internals import tree_map_only
 from compile_runtime.verify.compare import (

@@ -10,8 +10,8 @@ import torch
 
 from compile_runtime.attention.groups import build_metadata
 from compile_runtime.config import CUDAGraphMode
-from compile_runtime.cudagraph.capture import CaptureInputs
 from compile_runtime.forward_context import BatchDescriptor
+from compile_runtime.graphs.capture import CaptureInputs
 from compile_runtime.worker.step_inputs import capture_query_lens, query_start_loc
 
 

@@ -19,8 +19,8 @@ import torch
 from compile_runtime.attention.selector import min_cg_support
 from compile_runtime.compiler.decorator import attention_split
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, ResolvedModes
-from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
-from compile_runtime.cudagraph.wrapper import GraphFactory, wrap_full_model
+from compile_runtime.graphs.dispatcher import CudagraphDispatcher
+from compile_runtime.graphs.wrapper import GraphFactory, wrap_full_model
 from compile_runtime.platforms.select import platform_for
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def plan_cudagraphs(
 ) -> CudaGraphPlan:
     """The plan for ``model`` once traced; ``dispatcher`` (its capture sizes resolved when it
     was built) gets the keys of the resolved mode. ``graph_factory``: CPU graphs on a CPU
-    that replays them (``cudagraph/cpu_graph.py``), None for CUDA graphs."""
+    that replays them (``compile_runtime/cpu/graph.py``), None for CUDA graphs."""
     modes = config.resolve(
         min_cg_support({layer.attn_backend for layer in layers}),
         attention_split=bool(attention_split(model)),  # None: nothing traced, nothing split

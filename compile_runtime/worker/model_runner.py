@@ -8,7 +8,7 @@ the forward inside a forward context, then computes the logits the step needs in
 next drafts (sampling_step.py); between the two calls the state is one ``ExecuteModelState``.
 Start-up is ``__init__`` (threads, weights, buffers) then ``initialize``: the first forward,
 the graph plan (cudagraph_plan.py), the KV cache (startup.py), the capture (or none: CPU
-graphs are captured on first use, ``cudagraph/capture.py``).
+graphs are captured on first use, ``compile_runtime/graphs/capture.py``).
 
 Under tensor and pipeline parallelism every rank runs its own runner on the same scheduler
 output (so the persistent batches stay identical); a pipeline stage takes the step's hidden
@@ -34,13 +34,8 @@ from compile_runtime.compiler.decorator import backend_seconds, set_graph_factor
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
 from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.capture import CaptureReport, LazyCapture, capture
-from compile_runtime.cudagraph.cpu_graph import CPU_GRAPHS, records_cpu_graphs
-from compile_runtime.cudagraph.dispatcher import (
-    CudagraphDispatcher,
-    is_uniform_decode,
-)
-from compile_runtime.cudagraph.wrapper import CUDAGraphWrapper, GraphFactory
+from compile_runtime.cpu.graph import CPU_GRAPHS, records_cpu_graphs
+from compile_runtime.cpu.threads import set_num_threads
 from compile_runtime.device import resolve_device
 from compile_runtime.distributed import (
     get_parallel_state,
@@ -50,12 +45,17 @@ from compile_runtime.distributed import (
 )
 from compile_runtime.distributed.pipeline import PipelineStage
 from compile_runtime.forward_context import set_forward_context
+from compile_runtime.graphs.capture import CaptureReport, LazyCapture, capture
+from compile_runtime.graphs.dispatcher import (
+    CudagraphDispatcher,
+    is_uniform_decode,
+)
+from compile_runtime.graphs.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.worker.capture_inputs import capture_inputs
-from compile_runtime.worker.cpu_threads import set_num_threads
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.worker.input_batch import InputBatch
 from compile_runtime.worker.microbatch import microbatch_split, run_microbatches

@@ -10,7 +10,7 @@ products (bf16 in, float32 sums) or AVX-512 FMAs (float32), and reduces the
 (the README's "On a CPU"). With more rows the weight is reused and the GEMV becomes
 bound by its arithmetic: past some row count oneDNN is faster again (where, the machine
 decides: ``cpu_linear.py``). The C is
-``csrc/gemv.c``, built by ``ops/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
+``csrc/gemv.c``, built by ``compile_runtime/cpu/c_library.py``. A CPU with AVX2 but not AVX-512 (AMD
 Zen 3) runs both tiles with 8-float vectors (bf16 widened by a shift: half the bytes of
 float32 to read); without AVX2, or without a C compiler, every dtype keeps the oneDNN path.
 """
@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.cpu.native_function import NativeFunction
 from compile_runtime.torch_internals import mkldnn_bf16_supported
 
 
@@ -43,7 +43,7 @@ MAX_ROWS = {torch.bfloat16: _most_bf16_rows(), torch.float32: 16}
 @functools.cache
 def _kernels() -> dict[torch.dtype, NativeFunction]:
     """The kernel per dtype this CPU runs (empty without AVX-512 or AVX2, or a compiler)."""
-    from compile_runtime.ops.c_library import load_c_library
+    from compile_runtime.cpu.c_library import load_c_library
 
     lib = load_c_library("gemv", "one-row CPU linear layers")
     if lib is None:

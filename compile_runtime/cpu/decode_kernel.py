@@ -17,8 +17,8 @@ softmax's exp is vectorised, and each next block is prefetched (blocks lie
 anywhere in the cache): on SmolLM2's shape a layer's decode then takes about the
 time to read its keys and values from memory (the README's "On a CPU").
 
-The C is ``compile_runtime/csrc/paged_decode.c``, built and cached by
-``ops/c_library.py`` (OpenMP over (request, KV head) on torch's own OpenMP runtime).
+The C is ``compile_runtime/cpu/csrc/paged_decode.c``, built and cached by
+``compile_runtime/cpu/c_library.py`` (OpenMP over (request, KV head) on torch's own OpenMP runtime).
 Without a compiler, or if the build fails, ``load_decode_kernel()`` returns None once
 with a warning and the backend computes the same thing with torch ops.
 
@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import functools
 
-from compile_runtime.ops.c_library import load_c_library
-from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.cpu.c_library import load_c_library
+from compile_runtime.cpu.native_function import NativeFunction
 
 
 @functools.cache

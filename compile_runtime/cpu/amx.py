@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.cpu.native_function import NativeFunction
 
 if TYPE_CHECKING:
-    from compile_runtime.ops.c_library import CLibrary
+    from compile_runtime.cpu.c_library import CLibrary
 
 MAX_ROWS = 64  # beyond, oneDNN's GEMM is as fast and needs no second pass over the weight
 
@@ -32,7 +32,7 @@ MAX_ROWS = 64  # beyond, oneDNN's GEMM is as fast and needs no second pass over 
 @functools.cache
 def _library() -> CLibrary | None:
     """The library, on a CPU with AMX that Linux lets this process use; else None."""
-    from compile_runtime.ops.c_library import load_c_library
+    from compile_runtime.cpu.c_library import load_c_library
 
     lib = load_c_library("amx_linear", "AMX bf16 linear layers")
     if lib is None or not lib.function("amx_enable")():

@@ -25,19 +25,19 @@ hand-written path (``masked_attention``) instead.
 from __future__ import annotations
 
 import torch
-from compile_runtime.backends.attention.cpu_batched_plan import (
-    BatchedPlan,
-    CPUBatchedMetadataBuilder,
-    GroupPlan,
-    check_bounds,
-)
-from compile_runtime.backends.attention.cpu_decode_kernel import load_decode_kernel
 
 from compile_runtime.attention.backend import AttentionBackend, AttentionImpl
 from compile_runtime.attention.dense import masked_attention
 from compile_runtime.attention.kv_cache import write_kv_cache
 from compile_runtime.attention.metadata import AttentionMetadata, MetadataError
 from compile_runtime.config import AttentionCGSupport
+from compile_runtime.cpu.attention_plan import (
+    BatchedPlan,
+    CPUBatchedMetadataBuilder,
+    GroupPlan,
+    check_bounds,
+)
+from compile_runtime.cpu.decode_kernel import load_decode_kernel
 
 # What the C decode kernel computes in (cpu_decode_kernel.py).
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -242,7 +242,7 @@ class CPUBatchedBackend(AttentionBackend):
         """Uniform batches (one-token decodes, and speculative decoding's 1 + k tokens a
         request) run in one C call per layer reading fixed buffers (the C kernel): a CPU
         graph can hold them. Without the kernel, the torch path plans on the host."""
-        from compile_runtime.cudagraph.cpu_graph import cpu_graphs_available
+        from compile_runtime.cpu.graph import cpu_graphs_available
 
         if load_decode_kernel() is not None and cpu_graphs_available():
             return AttentionCGSupport.UNIFORM_BATCH

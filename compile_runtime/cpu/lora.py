@@ -14,15 +14,15 @@ import functools
 
 import torch
 
+from compile_runtime.cpu.native_function import NativeFunction
 from compile_runtime.forward_context import get_forward_context, is_forward_context_available
-from compile_runtime.ops.native_function import NativeFunction
 
 OP_NAME = "compile_runtime::lora_add_"
 
 
 @functools.cache
 def _kernels() -> dict[torch.dtype, NativeFunction]:
-    from compile_runtime.ops.c_library import load_c_library
+    from compile_runtime.cpu.c_library import load_c_library
 
     lib = load_c_library("lora", "batched LoRA on a CPU")
     if lib is None:

@@ -263,7 +263,7 @@ class CUDAGraphWrapper:
         if not _capturing_enabled:
             raise CUDAGraphCaptureError(
                 f"{self.name}: no {mode} CUDA graph for {descriptor}, and capturing is off. "
-                "Graphs are captured at start-up (compile_runtime.cudagraph.capture.capture) for the "
+                "Graphs are captured at start-up (compile_runtime.graphs.capture.capture) for the "
                 "descriptors the dispatcher lists; a batch with another descriptor means the "
                 "dispatcher and the captured graphs disagree"
             )

@@ -14,7 +14,7 @@ that size then runs unreplayed, never a silent wrong answer):
 * Inductor kernels: every ``kernel`` of a compiled module in Inductor's code cache is
   swapped for a recording proxy while capturing (its C symbol, loaded with ctypes, is what
   replays). Tensor arguments become their addresses, ints stay ints; anything else refuses.
-* Our kernels: every ``NativeFunction`` call (``ops/native_function.py``).
+* Our kernels: every ``NativeFunction`` call (``compile_runtime/cpu/native_function.py``).
 * Every other op goes through a dispatch mode: ops that only allocate or make views pass
   (their results are kept alive by the graph); ``cpu_linear`` and ``quant_embedding`` run
   their bodies under the same mode, so their inner ops are checked too; oneDNN's packed
@@ -46,14 +46,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from compile_runtime.cudagraph.cpu_graph_ops import (
+from compile_runtime.cpu.graph_ops import (
     ALLOCATING,
     CALLED_BACK,
     MAYBE_NO_COMPUTE,
     NO_COMPUTE,
 )
-from compile_runtime.cudagraph.cpu_graph_pool import CPUGraphPool, capturing_step
-from compile_runtime.ops.native_function import NativeFunction, set_native_recorder
+from compile_runtime.cpu.graph_pool import CPUGraphPool, capturing_step
+from compile_runtime.cpu.native_function import NativeFunction, set_native_recorder
 from compile_runtime.torch_internals import (
     INDUCTOR_CPU_ALLOCATOR,
     TorchDispatchMode,
@@ -72,12 +72,12 @@ class GraphCaptureUnsupported(RuntimeError):
 @functools.cache
 def _op_bodies() -> dict[str, Callable[..., Any]]:
     """Our custom ops whose bodies call NativeFunctions: run under the recording mode."""
-    from compile_runtime.ops.cpu_linear import OP_NAME as LINEAR
-    from compile_runtime.ops.cpu_linear import cpu_linear_impl
-    from compile_runtime.ops.cpu_lora import OP_NAME as LORA
-    from compile_runtime.ops.cpu_lora import lora_add_impl
-    from compile_runtime.ops.cpu_quant_embedding import OP_NAME as EMBEDDING
-    from compile_runtime.ops.cpu_quant_embedding import quant_embedding_impl
+    from compile_runtime.cpu.linear import OP_NAME as LINEAR
+    from compile_runtime.cpu.linear import cpu_linear_impl
+    from compile_runtime.cpu.lora import OP_NAME as LORA
+    from compile_runtime.cpu.lora import lora_add_impl
+    from compile_runtime.cpu.quant_embedding import OP_NAME as EMBEDDING
+    from compile_runtime.cpu.quant_embedding import quant_embedding_impl
 
     return {LINEAR: cpu_linear_impl, EMBEDDING: quant_embedding_impl, LORA: lora_add_impl}
 
@@ -85,7 +85,7 @@ def _op_bodies() -> dict[str, Callable[..., Any]]:
 @functools.cache
 def _replay_library() -> tuple[ctypes._CFuncPtr, int] | None:
     """``graph_replay`` and its argument limit, or None (no C compiler here)."""
-    from compile_runtime.ops.c_library import load_c_library
+    from compile_runtime.cpu.c_library import load_c_library
 
     lib = load_c_library("graph_replay", "CPU graph replay")
     if lib is None:

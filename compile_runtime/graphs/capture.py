@@ -23,10 +23,10 @@ from tqdm import tqdm
 
 from compile_runtime.config import CUDAGraphMode
 from compile_runtime.counters import compilation_counter
-from compile_runtime.cudagraph.cpu_graph import GraphCaptureUnsupported, dry_captures
-from compile_runtime.cudagraph.dispatcher import CudagraphDispatcher
-from compile_runtime.cudagraph.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
+from compile_runtime.cpu.graph import GraphCaptureUnsupported, dry_captures
 from compile_runtime.forward_context import BatchDescriptor, set_forward_context
+from compile_runtime.graphs.dispatcher import CudagraphDispatcher
+from compile_runtime.graphs.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _capture_one(
     captured = compilation_counter.num_cudagraph_captured - before
     if captured == 0:
         hint = (
-            "wrap the model with compile_runtime.cudagraph.wrap_full_model"
+            "wrap the model with compile_runtime.graphs.wrap_full_model"
             if mode == CUDAGraphMode.FULL
             else "pieces are wrapped when the model is compiled with CompilationMode.PIECEWISE "
             "and a cudagraph_mode with PIECEWISE graphs, on a machine with CUDA"

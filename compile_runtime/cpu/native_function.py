@@ -3,7 +3,7 @@
 Every C kernel a forward calls (GEMV, AMX, quantized GEMM, embedding rows, paged decode
 attention) is a ``NativeFunction``: a ctypes function plus its address. Outside capture a
 call is the ctypes call and one global read more. While a CPU graph captures
-(``cudagraph/cpu_graph.py``), each call is also handed to the recorder with its
+(``compile_runtime/cpu/graph.py``), each call is also handed to the recorder with its
 arguments, which the graph later replays from its C loop without Python; a dry capture
 (start-up's, whose outputs nobody reads) records the call without running it.
 

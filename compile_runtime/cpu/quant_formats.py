@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
+from compile_runtime.cpu.packed_weights import PackedWeight, lookup, record
 
 BLOCK = 32  # values per block, every format
 

@@ -1,7 +1,7 @@
 """Small C kernels for CPUs: compiled on first use for this CPU, cached, loaded with ctypes.
 
 The runtime's hand-written CPU kernels (paged decode attention, the GEMV, the AMX and
-quantized linear layers, the CPU graphs' replay loop) are plain C with OpenMP in ``compile_runtime/csrc/``: no torch
+quantized linear layers, the CPU graphs' replay loop) are plain C with OpenMP in ``compile_runtime/cpu/csrc/``: no torch
 headers, so a build takes about a second, not the minute a torch extension takes. A
 library ``name`` is ``csrc/<name>.c`` and the files it includes with quotes: its header
 ``<name>.h``, which declares each exported function once (the C is checked against it, and
@@ -31,12 +31,12 @@ import threading
 from typing import Any
 
 from compile_runtime.cache.location import cache_root
-from compile_runtime.ops.c_header import Declaration, parse_header
-from compile_runtime.ops.native_function import NativeFunction
+from compile_runtime.cpu.c_header import Declaration, parse_header
+from compile_runtime.cpu.native_function import NativeFunction
 
 logger = logging.getLogger(__name__)
 
-CSRC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "csrc")
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c99"]
 FLAGS += ["-Werror=implicit-function-declaration"]  # a missing header must not mean a wrong call
 FLAGS += ["-Werror=missing-prototypes"]  # every exported function is declared in its header

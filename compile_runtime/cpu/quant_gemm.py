@@ -39,7 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compile_runtime.ops.cpu_quant_formats import (
+from compile_runtime.cpu.native_function import NativeFunction
+from compile_runtime.cpu.packed_weights import PackedWeight, lookup
+from compile_runtime.cpu.quant_formats import (
     Q4_0,
     Q4_1,
     Q8_0,
@@ -47,11 +49,9 @@ from compile_runtime.ops.cpu_quant_formats import (
     format_of,
     pack_rows,
 )
-from compile_runtime.ops.native_function import NativeFunction
-from compile_runtime.ops.packed_weights import PackedWeight, lookup
 
 if TYPE_CHECKING:
-    from compile_runtime.ops.c_library import CLibrary
+    from compile_runtime.cpu.c_library import CLibrary
 
 FORMAT_IDS = {Q8_0: 0, Q4_0: 1, Q4_1: 2}
 _FORMAT_BY_BYTES = {f.block_bytes: i for f, i in FORMAT_IDS.items()}
@@ -61,7 +61,7 @@ _X_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
 @functools.cache
 def _library() -> CLibrary | None:
     """The built library, or None (no compiler, no AVX512-VNNI or AVX2)."""
-    from compile_runtime.ops.c_library import load_c_library
+    from compile_runtime.cpu.c_library import load_c_library
 
     lib = load_c_library("qgemm", "quantized CPU linear layers")
     if lib is None or not lib.function("qgemm_available")():

@@ -38,14 +38,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compile_runtime.ops.cpu_amx import MAX_ROWS as MAX_AMX_ROWS
-from compile_runtime.ops.cpu_amx import amx_linear
-from compile_runtime.ops.cpu_amx import pack as pack_for_amx
-from compile_runtime.ops.cpu_gemv import MAX_ROWS as MAX_GEMV_ROWS
-from compile_runtime.ops.cpu_gemv import gemv_dtypes, gemv_linear
-from compile_runtime.ops.cpu_quant_gemm import kernel_available, pack_for_kernel, quant_linear
-from compile_runtime.ops.hugepages import move_into_hugepages
-from compile_runtime.ops.packed_weights import PackedWeight, lookup, record
+from compile_runtime.cpu.amx import MAX_ROWS as MAX_AMX_ROWS
+from compile_runtime.cpu.amx import amx_linear
+from compile_runtime.cpu.amx import pack as pack_for_amx
+from compile_runtime.cpu.gemv import MAX_ROWS as MAX_GEMV_ROWS
+from compile_runtime.cpu.gemv import gemv_dtypes, gemv_linear
+from compile_runtime.cpu.hugepages import move_into_hugepages
+from compile_runtime.cpu.packed_weights import PackedWeight, lookup, record
+from compile_runtime.cpu.quant_gemm import kernel_available, pack_for_kernel, quant_linear
 from compile_runtime.torch_internals import (
     mkldnn_bf16_supported,
     mkldnn_linear,
@@ -138,7 +138,7 @@ def float_linear(
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if weight.dtype == torch.uint8:  # quantized (ops/cpu_quant_formats.py): no packed copy
+    if weight.dtype == torch.uint8:  # quantized (compile_runtime/cpu/quant_formats.py): no packed copy
         return quant_linear(x, weight, bias)
     return float_linear(x, weight, lookup(weight), bias)  # the kernel for the rows
 
@@ -156,7 +156,7 @@ def _cpu_linear_fake(x, weight, bias):
 
 
 def is_quantized(weight: torch.Tensor | None) -> bool:
-    """A quantized weight (``uint8`` blocks, ``ops/cpu_quant_formats.py``): ``cpu_linear``
+    """A quantized weight (``uint8`` blocks, ``compile_runtime/cpu/quant_formats.py``): ``cpu_linear``
     runs it through the int8 kernel of ``cpu_quant_gemm.py``."""
     return isinstance(weight, torch.Tensor) and weight.dtype == torch.uint8
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from compile_runtime.ops.cpu_quant_gemm import quant_rows
+from compile_runtime.cpu.quant_gemm import quant_rows
 
 OP_NAME = "compile_runtime::quant_embedding"
 

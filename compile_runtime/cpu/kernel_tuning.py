@@ -40,8 +40,8 @@ from torch import nn
 
 from compile_runtime.cache.files import write_atomic
 from compile_runtime.cache.location import cache_root
-from compile_runtime.ops.c_library import cpu_identity, source_digest
-from compile_runtime.ops.cpu_linear import (
+from compile_runtime.cpu.c_library import cpu_identity, source_digest
+from compile_runtime.cpu.linear import (
     KERNELS,
     ROW_BUCKETS,
     built_in_kernel,
@@ -50,7 +50,7 @@ from compile_runtime.ops.cpu_linear import (
     run_kernel,
     shape_name,
 )
-from compile_runtime.ops.packed_weights import PackedWeight, lookup
+from compile_runtime.cpu.packed_weights import PackedWeight, lookup
 
 logger = logging.getLogger(__name__)
 
