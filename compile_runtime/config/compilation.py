@@ -242,7 +242,9 @@ class CompilationConfig(_FrozenModel):
         return super().model_copy(deep=deep)
 
     def __hash__(self) -> int:
-        return hash(json.dumps(self.model_dump(mode="json"), sort_keys=True, default=str))
+        # repr for what JSON cannot hold (an Inductor option set to a pass object, say)
+        dump = self.model_dump(mode="json", fallback=repr)
+        return hash(json.dumps(dump, sort_keys=True))
 
     # ---- derived values -------------------------------------------------
 
