@@ -132,20 +132,32 @@ def is_config(module: str) -> bool:
     return module == "compile_runtime.config" or module.startswith("compile_runtime.config.")
 
 
-# Below config: the fence around torch's private APIs (config checks Inductor's options).
+# Below config: the fence around torch's private APIs (config checks Inductor's options) and
+# the platforms' descriptions (config resolves graph modes against the device).
 FENCE = "compile_runtime.torch_internals"
+PLATFORMS = "compile_runtime.platforms"
+
+
+def below_config(module: str) -> bool:
+    return module == FENCE or (module + ".").startswith(PLATFORMS + ".")
 
 
 def test_config_is_the_lowest_layer():
     graph = import_graph()
     config_modules = [m for m in graph if is_config(m)]
     assert len(config_modules) > 1, "the graph lost the config package's modules"
-    ours = {(m, t) for m in config_modules for t in graph[m] if not is_config(t) and t != FENCE}
+    ours = {
+        (m, t) for m in config_modules for t in graph[m] if not is_config(t) and not below_config(t)
+    }
     assert ours == set(), f"config imports {sorted(ours)}; it must import nothing else of ours"
 
 
-def test_the_torch_fence_imports_nothing_of_ours():
-    assert import_graph()[FENCE] == set()
+def test_the_torch_fence_and_the_platforms_import_nothing_else_of_ours():
+    graph = import_graph()
+    assert graph[FENCE] == set()
+    platforms = [m for m in graph if below_config(m) and m != FENCE]
+    assert len(platforms) > 2, "the graph lost the platforms package"
+    assert {t for m in platforms for t in graph[m] if not below_config(t)} == set()
 
 
 # A cohesion rule, not a budget: a file may grow while one concept needs it, to this bound;

@@ -27,8 +27,21 @@ def test_the_platforms_differ_where_the_devices_do():
     assert not CPU.stages_inputs and not CPU.pins_staging and CUDA.pins_staging
     assert CPU.sets_threads and CPU.packs_weights and not CUDA.packs_weights
     assert CUDA.profiles_memory and not CPU.profiles_memory
+    assert CPU.zeroes_lazily and CPU.serves_from_worker and CPU.builds_kernels_ahead
+    assert CUDA.prefers_16bit and not CPU.prefers_16bit
     assert CPU.memory_allocated(torch.device("cpu")) == 0
     assert CPU.step_event() is None
+    assert CPU.identity(torch.device("cpu")).startswith("cpu:")
+    assert CPU.missing_device(torch.device("cpu"), ranks=4) is None  # ranks share the CPU
+    assert CPU.rank_device("cpu", 3) == "cpu"
+    assert CUDA.rank_device("cuda", 3) == "cuda:3" and CUDA.rank_device("cuda:1", 3) == "cuda:1"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_a_missing_gpu_is_named_with_the_build():
+    why = CUDA.missing_device(torch.device("cuda"))
+    assert why is not None and "CUDA is not available here" in why and torch.__version__ in why
+    assert CUDA.device_count() == 0 and not CUDA.available()
 
 
 def test_code_reads_the_platform():

@@ -22,6 +22,8 @@ from typing import Protocol
 
 import torch
 
+from compile_runtime.platforms.select import platform_for
+
 logger = logging.getLogger(__name__)
 
 
@@ -107,7 +109,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     first touch: a cache sized from the machine's RAM costs no time at start-up and no
     memory until requests fill it (``torch.zeros`` writes every byte up front: seconds for
     a few GiB)."""
-    if torch.device(device or "cpu").type != "cpu":
+    if not platform_for(device or "cpu").zeroes_lazily:
         return torch.zeros(shape, dtype=dtype, device=device)
     itemsize = torch.empty((), dtype=dtype).element_size()
     nbytes = math.prod(shape) * itemsize

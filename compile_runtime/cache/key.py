@@ -21,6 +21,7 @@ import torch
 
 from compile_runtime.config import CompilationConfig
 from compile_runtime.device import resolve_device
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.version import __version__
 
 KEY_LENGTH = 20
@@ -30,11 +31,8 @@ def device_kind(device: torch.device | str | None = None, *, threads: bool = Fal
     """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>`` otherwise (``cpu:<ISA>:<n>t``
     with ``threads``: when the compiled code has the thread count baked in)."""
     device = resolve_device(device)
-    if device.type == "cuda" and torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"cuda:sm_{major}{minor}:{torch.cuda.get_device_name(device)}"
-    kind = f"cpu:{torch.backends.cpu.get_cpu_capability()}"
-    return f"{kind}:{torch.get_num_threads()}t" if threads else kind
+    kind = platform_for(device).identity(device)
+    return f"{kind}:{torch.get_num_threads()}t" if threads and kind.startswith("cpu") else kind
 
 
 def thread_count_baked_in(config: CompilationConfig) -> bool:

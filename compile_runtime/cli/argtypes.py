@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import torch
+
+from compile_runtime.platforms.select import platform_for
+
 
 def positive_int(text: str) -> int:
     try:
@@ -74,19 +78,17 @@ def float_in(low: float, high: float, low_open: bool = False):
 
 def device(text: str) -> str:
     """A device this machine has: ``cpu``, ``cuda`` or ``cuda:N``."""
-    import torch
 
     try:
         device = torch.device(text)
     except RuntimeError:
         device = None
-    if device is None or device.type not in ("cpu", "cuda"):
+    try:
+        platform = platform_for(device) if device is not None else None
+    except ValueError:
+        platform = None
+    if platform is None:
         raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (device.index or 0) >= count:
-            raise argparse.ArgumentTypeError(
-                f"{text}: this machine has {count} CUDA device(s); use --device cpu"
-                + (" or a lower index" if count else "")
-            )
+    if (why := platform.missing_device(device)) is not None:
+        raise argparse.ArgumentTypeError(f"{text}: {why}; use --device cpu or a lower index")
     return text

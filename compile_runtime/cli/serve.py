@@ -10,6 +10,7 @@ import os
 
 from compile_runtime.cli.argtypes import float_in, int_at_least, positive_int, string_list
 from compile_runtime.cli.engine_flags import add_engine_arguments, engine_from_args
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.server.request_limits import RequestLimits
 from compile_runtime.server.tool_parsers import PARSERS
 
@@ -155,7 +156,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.lora_root is not None and not os.path.isdir(args.lora_root):
         raise ValueError(f"--lora-root {args.lora_root}: not a directory")
 
-    if args.distributed_executor_backend is None and (args.device or default_device()) == "cpu":
+    platform = platform_for(args.device or default_device())
+    if args.distributed_executor_backend is None and platform.serves_from_worker:
         # The model in a worker process, so the step loop does not share this process's GIL
         # with HTTP, JSON and detokenizing: it serves more tokens/s than running it here
         # (benchmarks/serve_vs_vllm.py; the README's served table gives both).

@@ -13,7 +13,6 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
-import torch
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -30,6 +29,7 @@ from compile_runtime.config.modes import (
     ResolvedModes,
     resolve_cudagraph_mode,
 )
+from compile_runtime.platforms.cuda import CUDA
 
 
 class FrozenConfigError(AttributeError):
@@ -280,7 +280,7 @@ class CompilationConfig(_FrozenModel):
         if attention_split is None:
             attention_split = self.splitting_ops is None or len(self.splitting_ops) > 0
         if cuda_available is None:
-            cuda_available = torch.cuda.is_available()
+            cuda_available = CUDA.available()
         mode = resolve_cudagraph_mode(
             self.cudagraph_mode,
             compilation_mode=self.mode,

@@ -27,6 +27,7 @@ from compile_runtime.models.dtype import resolve_dtype
 from compile_runtime.models.gguf import gguf_file_in, model_directory
 from compile_runtime.models.registry import read_hf_config
 from compile_runtime.planner.capture_sizes import decide_capture_sizes
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.torch_internals import check_torch_version
 from compile_runtime.worker.kv_sizing import size_runner_config
 
@@ -97,7 +98,7 @@ def decide_engine_config(
     )
     # The graph sizes too: an "auto:FILE" spec read here once, not on every rank.
     compilation = config.compilation_config
-    cpu_graphs = torch.device(device).type == "cpu" and asks_for_cpu_graphs(compilation)
+    cpu_graphs = platform_for(device).graph_kind == "cpu" and asks_for_cpu_graphs(compilation)
     capture_sizes = decide_capture_sizes(
         compilation, runner_config.max_num_tokens, cpu_graphs=cpu_graphs
     )

@@ -37,6 +37,7 @@ from compile_runtime.engine.outputs import GenerateStats, RequestOutput
 from compile_runtime.executor import Executor, MultiprocExecutor, StandbyWorkers, make_executor
 from compile_runtime.lora.request import LoRARequest
 from compile_runtime.models.tokenizer import eos_token_ids, load_tokenizer
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
 
@@ -58,7 +59,7 @@ class LLM:
         ``options``: fields of ``RunnerConfig`` (max_num_seqs, kv_cache_bytes, ...) and of
         ``EngineConfig`` (device, tensor_parallel_size, use_transformers, ...), by name;
         sizes left unset are chosen for the model and the machine (worker/kv_sizing.py)."""
-        if resolve_device(options.get("device")).type == "cpu":
+        if platform_for(resolve_device(options.get("device"))).builds_kernels_ahead:
             build_ahead()  # the CPU kernels compile on the other core while the start goes on
         self.config: EngineConfig
         self.config = decide_engine_config(model, compilation_config, dtype, options)

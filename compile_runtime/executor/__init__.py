@@ -20,6 +20,7 @@ from compile_runtime.executor.ray_executor import RayExecutor, import_ray
 from compile_runtime.executor.standby import StandbyWorkers
 from compile_runtime.executor.uniproc import UniProcExecutor
 from compile_runtime.models.llama import ARCHITECTURES
+from compile_runtime.platforms.select import platform_for
 
 BACKENDS = ("uni", "mp", "ray")
 
@@ -94,21 +95,15 @@ def make_executor(
 
 def check_device_available(config: EngineConfig) -> None:
     """Reject, before start-up, a CUDA device this machine does not have (local ranks only)."""
-    if config.device is None or torch.device(config.device).type != "cuda":
+    if config.device is None:
         return
-    if not torch.cuda.is_available():
-        build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
+    device = torch.device(config.device)
+    why = platform_for(device).missing_device(device, config.world_size)
+    if why is not None:
         raise ConfigError(
-            f"EngineConfig.device={config.device!r}: CUDA is not available here (torch "
-            f"{torch.__version__}, a {build} build); use device='cpu' or leave device unset"
-        )
-    index = torch.device(config.device).index
-    last = index if index is not None else config.world_size - 1
-    if last >= torch.cuda.device_count():
-        raise ConfigError(
-            f"EngineConfig.device={config.device!r} with {config.world_size} ranks "
-            f"(tensor x pipeline parallel) needs GPU {last}, but this machine has "
-            f"{torch.cuda.device_count()}; use a lower index or fewer ranks"
+            f"EngineConfig.device={config.device!r}: {why} ({config.world_size} rank(s), "
+            "tensor x pipeline parallel); use device='cpu', a lower index or fewer ranks, "
+            "or leave device unset"
         )
 
 

@@ -27,6 +27,7 @@ from compile_runtime.cpu.graph import GraphCaptureUnsupported, dry_captures
 from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 from compile_runtime.graphs.wrapper import CUDAGraphCaptureError, cudagraph_capturing_enabled
+from compile_runtime.platforms.cuda import CUDA
 
 logger = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def capture(
         logger.info("no CUDA graphs to capture (cudagraph mode %s)", dispatcher.mode.name)
         return report
     # CUDA graphs on a CUDA device (not a test double on a CPU); CPU graphs never start CUDA.
-    cuda = graph_pool is None and torch.cuda.is_available()
+    cuda = graph_pool is None and CUDA.available()
 
     # Trace, compile and warm up outside any graph, at the largest size.
     largest_mode, largest = max(descriptors, key=lambda md: md[1].num_tokens)

@@ -41,6 +41,7 @@ from compile_runtime.forward_context import (
     get_forward_context,
     is_forward_context_available,
 )
+from compile_runtime.platforms.cuda import CUDA
 from compile_runtime.torch_internals import storage_over, tree_map_only
 
 logger = logging.getLogger(__name__)
@@ -109,7 +110,7 @@ CUDA_GRAPHS = TorchCUDAGraphFactory()  # the real graphs: one memory pool for al
 
 def graphs_available(factory: GraphFactory | None = None) -> bool:
     """CUDA is there, or a substitute factory (a test double) stands in for it."""
-    return factory is not None or torch.cuda.is_available()
+    return factory is not None or CUDA.available()
 
 
 # ---- start-up capture switch ----------------------------------------------

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from compile_runtime.platforms.select import platform_for
+
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,7 +48,7 @@ def resolve_dtype(
             raise ValueError(f"dtype {dtype!r} is not one of {list(DTYPE_CHOICES)}")
         return DTYPES[dtype]
     stored = checkpoint_dtype(hf_config)
-    if torch.device(device).type == "cuda":
+    if platform_for(device).prefers_16bit:
         chosen = stored if stored in (torch.float16, torch.bfloat16) else torch.bfloat16
         why = f"the checkpoint's {stored}" if chosen is stored else "16-bit on a GPU"
     elif quantized or stored in (torch.float16, torch.bfloat16):

@@ -16,4 +16,8 @@ CPU = Platform(
     profiles_memory=False,
     sets_threads=True,
     packs_weights=True,
+    zeroes_lazily=True,
+    serves_from_worker=True,
+    builds_kernels_ahead=True,
+    prefers_16bit=False,
 )

@@ -15,4 +15,8 @@ CUDA = Platform(
     profiles_memory=True,
     sets_threads=False,
     packs_weights=False,
+    zeroes_lazily=False,
+    serves_from_worker=False,
+    builds_kernels_ahead=False,
+    prefers_16bit=True,
 )

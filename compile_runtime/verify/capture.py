@@ -42,6 +42,7 @@ from compile_runtime.counters import compilation_counter
 from compile_runtime.device import resolve_device
 from compile_runtime.forward_context import is_forward_context_available, set_forward_context
 from compile_runtime.models.registry import load_model
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.table import format_table
 from compile_runtime.torch_internals import trace_errors
 from compile_runtime.verify.compare import VerifyError
@@ -82,7 +83,7 @@ class CaptureReport:
             f"{self.pieces_checked} static piece(s) checked",
             f"CUDA graphs (attention backends as built on {self.device}): {self.cudagraphs}",
         ]
-        if self.device == "cpu":
+        if not platform_for(self.device).stages_inputs:  # every tensor is a host tensor
             lines.append(
                 "CPU tensors are found by their device on a GPU only (--device cuda); here: "
                 "allocations on the default device and tensors built from Python data"

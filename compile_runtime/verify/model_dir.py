@@ -11,6 +11,7 @@ import torch
 from compile_runtime.config import CompilationConfig, parse_config
 from compile_runtime.device import resolve_device
 from compile_runtime.models.registry import load_model
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.verify.report import VerifyReport
 from compile_runtime.verify.verifier import verify_model
 
@@ -43,8 +44,8 @@ def check_model_dir(
     if num_tokens < 1:
         raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
     device = resolve_device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} was asked for but CUDA is not available")
+    if (why := platform_for(device).missing_device(device)) is not None:
+        raise ValueError(f"device {str(device)!r} was asked for, but {why}")
     model = load_model(
         model_dir, config, dtype=dtype, device=device, use_transformers=use_transformers
     )

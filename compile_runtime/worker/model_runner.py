@@ -55,6 +55,7 @@ from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
 from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.capture_inputs import capture_inputs
 from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
 from compile_runtime.worker.input_batch import InputBatch
@@ -116,15 +117,15 @@ class ModelRunner:
         self.config = runner_config
         self.compilation_config = compilation_config
         self.device = resolve_device(device)
-        runner_config.check_decided(on_cpu=self.device.type == "cpu")
+        self.platform = platform_for(self.device)
+        runner_config.check_decided(on_cpu=not self.platform.profiles_memory)
         self.dtype = dtype
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_world_size()
         state = get_parallel_state()
         self.samples = state is None or state.rank == sampling_rank()  # else: told the tokens
         ranks = state.world_size if state is not None else 1  # processes sharing the cores
         set_num_threads(self.config, self.device, ranks)  # before the first compile
-        if self.device.type == "cuda":  # this runner's own peak, not an earlier engine's
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.platform.reset_peak_memory(self.device)  # this runner's peak, not an earlier one's
         self._allocated_at_start = allocated_bytes(self.device)
         start = time.perf_counter()
         self.model: CausalLanguageModel = load_model(
@@ -142,7 +143,7 @@ class ModelRunner:
         self.lora: LoRAManager | None = None  # adapter slots, in the graph before its trace
         # On a CPU, CPU graphs (native calls replayed from C): pieces wrapped at first forward.
         self.graph_factory: GraphFactory | None = None
-        if self.device.type == "cpu" and records_cpu_graphs(compilation_config):
+        if self.platform.graph_kind == "cpu" and records_cpu_graphs(compilation_config):
             self.graph_factory = CPU_GRAPHS
             set_graph_factory(self.model, CPU_GRAPHS)
         self.layers = attention_layers(self.model)
@@ -255,8 +256,7 @@ class ModelRunner:
         forward = self.cudagraph_plan and self.cudagraph_plan.forward_model
         if isinstance(forward, CUDAGraphWrapper):
             forward.entries.clear()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.platform.release_cached_memory()
 
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
     def execute_model(self, so: SchedulerOutput) -> None:

@@ -193,7 +193,7 @@ def num_kv_blocks(
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     per_block = kv_cache_bytes_per_block(layers, config.block_size, dtype)
-    if device.type == "cuda":
+    if platform_for(device).profiles_memory:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()  # the profile's activations count as free
         free, total = torch.cuda.mem_get_info(device)

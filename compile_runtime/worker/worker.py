@@ -33,6 +33,7 @@ from compile_runtime.core.scheduler_output import ModelRunnerOutput, SchedulerOu
 from compile_runtime.counters import compilation_counter
 from compile_runtime.device import default_device
 from compile_runtime.distributed import default_backend, init_distributed, sampling_rank
+from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.model_runner import ModelRunner
 from compile_runtime.worker.startup import StartupTimes
 
@@ -78,16 +79,15 @@ class Worker:
     def device(self) -> str:
         """This rank's device: ``cuda:<local rank>`` when several ranks share a machine's GPUs."""
         device = self.config.device or default_device()
-        if self.world_size > 1 and device == "cuda":
-            return f"cuda:{self.local_rank}"
+        if self.world_size > 1:
+            return platform_for(device).rank_device(device, self.local_rank)
         return device
 
     def start(self) -> WorkerInfo:
         """Join the group, load this rank's weights, compile, size the KV cache, capture."""
         before = counter_snapshot()
         device = self.device()
-        if torch.device(device).index is not None:
-            torch.cuda.set_device(torch.device(device))
+        platform_for(device).set_device(torch.device(device))
         if self.init_method is not None:
             init_distributed(
                 self.rank,
