@@ -17,8 +17,9 @@ def test_each_device_has_its_platform():
     assert platform_for("cpu") is CPU
     assert platform_for(torch.device("cpu")) is CPU
     assert platform_for("cuda:1") is CUDA  # no CUDA needed to name its platform
-    with pytest.raises(ValueError, match="no platform for device 'meta'.*'cpu' or 'cuda"):
-        platform_for("meta")
+    assert platform_for("meta").attention_backends == ("torch_native",)  # shapes, no data
+    with pytest.raises(ValueError, match="no platform for device 'xpu'.*'cpu' or 'cuda"):
+        platform_for("xpu")
 
 
 def test_the_platforms_differ_where_the_devices_do():

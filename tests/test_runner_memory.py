@@ -208,22 +208,33 @@ def runner(model_dirs):
         yield llm.runner
 
 
+def runner_capture_inputs(runner, descriptor, mode):
+    return capture_inputs(
+        descriptor,
+        mode,
+        buffers=runner.buffers,
+        block_table=runner.input_batch.block_table,
+        groups=runner.metadata_groups,
+        config=runner.config,
+    )
+
+
 def test_piecewise_capture_runs_attention_without_metadata(runner):
     """A PIECEWISE graph does not hold attention: no graph metadata is built (FlashInfer would
     refuse it for a batch that is not a uniform decode)."""
-    inputs = capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.PIECEWISE)
+    inputs = runner_capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.PIECEWISE)
     assert inputs.attn_metadata is None
     assert inputs.args[0].shape[0] == 96
 
 
 def test_full_capture_splits_tokens_past_max_model_len_over_requests(runner):
-    inputs = capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.FULL)
+    inputs = runner_capture_inputs(runner, BatchDescriptor(96), CUDAGraphMode.FULL)
     metadata = inputs.attn_metadata
     query_lens = metadata.query_lens_cpu
     assert int(query_lens.sum()) == 96
     assert int(query_lens.max()) <= 32  # max_model_len
     assert len(query_lens) == 3
-    decode = capture_inputs(
+    decode = runner_capture_inputs(
         runner, BatchDescriptor(4, num_reqs=4, uniform=True), CUDAGraphMode.FULL
     ).attn_metadata
     assert decode.query_lens_cpu.tolist() == [1, 1, 1, 1]

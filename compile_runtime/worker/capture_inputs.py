@@ -3,44 +3,53 @@ graph an attention batch that touches no real KV block."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 
-from compile_runtime.attention.groups import build_metadata
-from compile_runtime.config import CUDAGraphMode
+from compile_runtime.attention.groups import MetadataGroups, build_metadata
+from compile_runtime.config import CUDAGraphMode, RunnerConfig
 from compile_runtime.forward_context import BatchDescriptor
 from compile_runtime.graphs.capture import CaptureInputs
-from compile_runtime.worker.step_inputs import capture_query_lens, query_start_loc
+from compile_runtime.worker.input_batch import BlockTable
+from compile_runtime.worker.step_inputs import StepBuffers, capture_query_lens, query_start_loc
 
 
-def capture_inputs(runner: Any, descriptor: BatchDescriptor, mode: CUDAGraphMode) -> CaptureInputs:
-    """Inputs of a capture (``runner``: the ModelRunner); attention metadata only where the
-    graph holds attention (FULL).
+def capture_inputs(
+    descriptor: BatchDescriptor,
+    mode: CUDAGraphMode,
+    *,
+    buffers: StepBuffers,
+    block_table: BlockTable,
+    groups: MetadataGroups,
+    config: RunnerConfig,
+) -> CaptureInputs:
+    """Inputs of a capture, in the runner's persistent ``buffers``; attention metadata (for
+    ``groups``, over a ``block_table`` as wide as the runner's) only where the graph holds
+    attention (FULL).
 
     Under PIECEWISE attention runs between the graphs, so the capture runs
     it without metadata (dense, no cache). A FULL capture gets a batch whose
     block tables point at block 1 and whose writes go to the null slot.
     """
     n = descriptor.num_tokens
-    args = runner.buffers.forward_args(n)
+    args = buffers.forward_args(n)
     if mode != CUDAGraphMode.FULL:
         return CaptureInputs(args=args)
-    c = runner.config
-    query_lens = capture_query_lens(n, descriptor.num_reqs, c.max_model_len, c.max_num_seqs)
-    block_table = torch.ones(
-        (len(query_lens), runner.input_batch.block_table.max_blocks_per_req),
-        dtype=torch.int32,
-        device=runner.device,
+    query_lens = capture_query_lens(
+        n, descriptor.num_reqs, config.max_model_len, config.max_num_seqs
     )
-    slots = runner.buffers.slot_mapping[:n]
+    blocks = torch.ones(
+        (len(query_lens), block_table.max_blocks_per_req),
+        dtype=torch.int32,
+        device=buffers.device,
+    )
+    slots = buffers.slot_mapping[:n]
     slots.fill_(-1)
     metadata = build_metadata(
-        runner.metadata_groups,
+        groups,
         query_start_loc(np.cumsum(query_lens)),
         torch.from_numpy(query_lens.copy()),
-        block_table,
+        blocks,
         slots,
         n,
         num_padded_tokens=n,

@@ -7,14 +7,16 @@ on a GPU; on a CPU it is correctness only: the sliced step gives the same tokens
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from compile_runtime.attention.groups import build_metadata
+from compile_runtime.attention.groups import MetadataGroups, build_metadata
 from compile_runtime.forward_context import BatchDescriptor, set_forward_context
-from compile_runtime.worker.step_inputs import StepInputs, query_start_loc
+from compile_runtime.lora.manager import LoRAManager
+from compile_runtime.worker.input_batch import BlockTable
+from compile_runtime.worker.step_inputs import StepBuffers, StepInputs, query_start_loc
 
 
 def microbatch_split(step: StepInputs, threshold: int) -> int | None:
@@ -27,28 +29,37 @@ def microbatch_split(step: StepInputs, threshold: int) -> int | None:
     return int(np.argmin(np.abs(boundaries - total / 2))) + 1
 
 
-def run_microbatches(runner: Any, step: StepInputs, split: int, loras: list) -> torch.Tensor:
-    """The step's hidden states, computed as two micro-batches (``runner``: the ModelRunner,
-    the step's tokens in its buffers already)."""
+def run_microbatches(
+    step: StepInputs,
+    split: int,
+    loras: list,
+    *,
+    model: Callable[..., torch.Tensor],
+    buffers: StepBuffers,
+    block_table: BlockTable,
+    groups: MetadataGroups,
+    lora: LoRAManager | None,
+) -> torch.Tensor:
+    """The step's hidden states, computed as two micro-batches of ``model`` (the forward
+    without graphs), the step's tokens in ``buffers`` already."""
     cu = step.cu_num_scheduled
-    buffers = runner.buffers
     parts = []
     for lo, hi in ((0, split), (split, len(step.req_ids))):
         t0, t1 = (int(cu[lo - 1]) if lo else 0), int(cu[hi - 1])
         has_lora = False
-        if runner.lora is not None:
-            has_lora = runner.lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
+        if lora is not None:
+            has_lora = lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
         metadata = build_metadata(
-            runner.metadata_groups,
+            groups,
             query_start_loc(cu[lo:hi] - t0),
             torch.from_numpy(step.seq_lens[lo:hi].astype(np.int32)),
-            runner.input_batch.block_table.gather(step.rows[lo:hi]),
+            block_table.gather(step.rows[lo:hi]),
             buffers.slot_mapping[t0:t1],
             t1 - t0,
             num_padded_tokens=t1 - t0,
         )
         descriptor = BatchDescriptor(t1 - t0, has_lora=has_lora)
         with set_forward_context(metadata, batch_descriptor=descriptor):
-            hidden = runner.cudagraph_plan.bare_model(*buffers.forward_args(t1, start=t0))
+            hidden = model(*buffers.forward_args(t1, start=t0))
         parts.append(hidden.clone() if not parts else hidden)  # the next forward may reuse it
     return torch.cat(parts)

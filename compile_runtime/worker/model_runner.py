@@ -239,7 +239,13 @@ class ModelRunner:
             with torch.inference_mode():
                 self.capture_report = capture(
                     plan.forward_model,
-                    functools.partial(capture_inputs, self),
+                    functools.partial(
+                        capture_inputs,
+                        buffers=self.buffers,
+                        block_table=self.input_batch.block_table,
+                        groups=self.metadata_groups,
+                        config=self.config,
+                    ),
                     self.dispatcher,
                     graph_pool=pool,
                 )
@@ -290,7 +296,16 @@ class ModelRunner:
             receive_stage_input(self.stage, self.buffers, total)
         if split is not None:
             self.buffers.load(step, total)
-            hidden = run_microbatches(self, step, split, loras)
+            hidden = run_microbatches(
+                step,
+                split,
+                loras,
+                model=self.cudagraph_plan.bare_model,
+                buffers=self.buffers,
+                block_table=self.input_batch.block_table,
+                groups=self.metadata_groups,
+                lora=self.lora,
+            )
             mode, unreplayed = CUDAGraphMode.NONE, "micro-batched"
             self.unreplayed[unreplayed] += 1
         else:
