@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -71,6 +72,7 @@ class StructuredOutputManager:
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self._compiler = None
+        self._compiler_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._compiling: dict[str, Future] = {}
         self._matchers: dict[str, Any] = {}
@@ -81,14 +83,21 @@ class StructuredOutputManager:
     def words(self) -> int:
         return -(-self.vocab_size // 32)
 
+    def compile_ahead(self, params: StructuredOutputsParams) -> None:
+        """Compile ``params`` into the compiler's cache in the caller's thread (the server's,
+        under its own time bound), so that the request's compile here is a cache hit and no
+        slow grammar holds the scheduler."""
+        self._compile(params)
+
     def _compile(self, params: StructuredOutputsParams) -> Any:
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(
-                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
-            )
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+        with self._compiler_lock:  # compile_ahead runs in other threads
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(
+                    self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
         compiler = self._compiler
         if params.json_schema is not None:
             compiled = compiler.compile_json_schema(_schema_text(params))

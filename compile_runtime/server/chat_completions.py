@@ -16,6 +16,7 @@ from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     chat_token_ids,
     check_length,
+    constraint_field,
     output_constraint,
     sampling_params,
 )
@@ -76,6 +77,9 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         message = "tool_choice: a forced tool call constrains the output already; drop the other"
         raise APIError(400, message, "tool_choice")
     calls = tool_call is not None
+    await server.compile_constraint(
+        tool_call or constraint, "tool_choice" if calls else constraint_field(body)
+    )
     tok = server.llm.tokenizer
     ids = await server.pool.run(
         chat_token_ids, body, tok, body.tools, server.max_model_len,

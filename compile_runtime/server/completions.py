@@ -12,6 +12,7 @@ from compile_runtime.server.api_error import APIError
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import (
     DEFAULT_COMPLETION_TOKENS,
+    constraint_field,
     output_constraint,
     prompt_token_ids,
     sampling_params,
@@ -38,6 +39,7 @@ async def completions(server: Server, body: CompletionRequest, tokens: TokenCoun
     constraint = await server.pool.run(
         output_constraint, body, what="checking the output constraint", param=None
     )
+    await server.compile_constraint(constraint, constraint_field(body))
     params = sampling_params(
         body, max_tokens, "max_tokens", k, "logprobs", max(scored, default=None), constraint
     )

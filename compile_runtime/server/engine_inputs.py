@@ -206,6 +206,11 @@ def chat_token_ids(
         raise APIError(400, f"messages: {e}", "messages") from None
 
 
+def constraint_field(body: SamplingFields) -> str | None:
+    """The field the request's output constraint came from."""
+    return next((f for f in STRUCTURED_FIELDS if getattr(body, f, None) is not None), None)
+
+
 def output_constraint(body: SamplingFields) -> StructuredOutputsParams | None:
     """What the output must match, from whichever spelling the request used (structured.py)."""
     try:

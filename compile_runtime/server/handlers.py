@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from compile_runtime.core.sampling_params import SamplingParams
 from compile_runtime.engine.async_engine import AsyncEngine, EngineDeadError, EngineOverloadedError
@@ -49,6 +50,7 @@ class Server:
         self.llm = llm
         self.trust_request_chat_template = trust_request_chat_template
         self.pool = WorkerPool()
+        self.compile_pool = WorkerPool(workers=2)  # output constraints' grammars
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
         self.model_path = model_path or model_name
@@ -87,9 +89,22 @@ class Server:
 
     def stop(self) -> None:
         self.pool.shutdown()
+        self.compile_pool.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         self.llm.shutdown()
+
+    async def compile_constraint(self, constraint: Any, param: str | None) -> None:
+        """Compile an output constraint's grammar against the tokenizer ahead of the engine
+        (into the cache its own compile then hits), under the pool's time bound: a grammar
+        too slow to compile is this request's 400, never a stall of the scheduler."""
+        manager = getattr(getattr(self.llm.core, "scheduler", None), "structured_outputs", None)
+        if constraint is None or manager is None:
+            return
+        await self.compile_pool.run(
+            manager.compile_ahead, constraint, what="compiling the output constraint",
+            param=param,
+        )  # fmt: skip
 
     def _check(self, requests: list, fields: tuple[str, str]) -> None:
         """The engine's checks of a call's requests (a constraint is compiled to check it)."""

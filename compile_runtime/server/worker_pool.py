@@ -11,10 +11,10 @@ bound is a 503 (the server is busy: retry).
 from __future__ import annotations
 
 import asyncio
-import functools
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, TypeVar
 
 from compile_runtime.server.api_error import APIError
@@ -26,25 +26,47 @@ PREPARE_SECONDS = 20.0
 
 
 class WorkerPool:
+    """``workers`` daemon threads (a job past its bound may run on, but never keeps the
+    process from exiting), started on first use."""
+
     def __init__(self, workers: int = WORKERS, timeout_s: float = PREPARE_SECONDS):
+        self.workers = workers
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="server-prepare")
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            future, fn = job
+            if not future.set_running_or_notify_cancel():
+                continue  # its request gave up waiting
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - the request's to report
+                future.set_exception(e)
+
+    def _start(self) -> None:
+        with self._lock:
+            while len(self._threads) < self.workers:
+                thread = threading.Thread(
+                    target=self._work, name=f"server-prepare-{len(self._threads)}", daemon=True
+                )
+                thread.start()
+                self._threads.append(thread)
 
     async def run(
         self, fn: Callable[..., T], *args: Any, what: str, param: str | None, **kwargs: Any
     ) -> T:
         """``fn(*args, **kwargs)`` in a worker; ``what``: the work, as the error names it."""
-        started = threading.Event()
-
-        def job() -> T:
-            started.set()
-            return fn(*args, **kwargs)
-
-        future = asyncio.get_running_loop().run_in_executor(self._pool, functools.partial(job))
+        if len(self._threads) < self.workers:
+            self._start()
+        future: Future = Future()
+        self._jobs.put((future, lambda: fn(*args, **kwargs)))
         try:
-            return await asyncio.wait_for(future, self.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except TimeoutError:
-            if not started.is_set():
+            if future.cancel():  # never started: every worker was busy
                 raise APIError(
                     503, "the server is busy preparing other requests; retry shortly"
                 ) from None
@@ -57,4 +79,5 @@ class WorkerPool:
             ) from None
 
     def shutdown(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for _ in self._threads:
+            self._jobs.put(None)
