@@ -26,7 +26,7 @@ on the f32 / bf16 file); q8_0 and q4_1 twice for ours: the file dequantized to f
 (``quantization="none"``) and kept quantized (``--ours-quant-options``,
 ``{"quantization": "gguf"}`` by default, what ``"auto"`` picks for these files; activations
 in ``--ours-quant-dtype``, fp32 by default; the row says why when the engine refuses it).
-Targets (issue 32): our kept-quantized Q8_0 within 0.5% of llama.cpp's perplexity on the
+Targets: our kept-quantized Q8_0 within 0.5% of llama.cpp's perplexity on the
 same file, Q4_1 within 1%.
 
 Greedy agreement: a few short text prompts (``GREEDY_PROMPTS``), ``--greedy-tokens`` new
@@ -67,7 +67,7 @@ TEXT = os.path.join(HERE, "data", "perplexity.txt")
 WORKER = os.path.join(HERE, "peers", "perplexity_worker.py")
 PRECISIONS = ["fp32", "bf16", "q8_0", "q4_1"]
 FILE_KIND = {"fp32": "f32", "bf16": "bf16", "q8_0": "q8_0", "q4_1": "q4_1"}
-TARGET_PCT = {"q8_0": 0.5, "q4_1": 1.0}  # |ours kept quantized / llama.cpp - 1|, issue 32
+TARGET_PCT = {"q8_0": 0.5, "q4_1": 1.0}  # |ours kept quantized / llama.cpp - 1|
 GREEDY_PROMPTS = [
     "The history of the mechanical clock begins",
     "To bake a simple loaf of bread, you need",

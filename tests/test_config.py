@@ -20,7 +20,7 @@ S = cr.AttentionCGSupport
 NONE, PW, FULL, FDO, FAP = M.NONE, M.PIECEWISE, M.FULL, M.FULL_DECODE_ONLY, M.FULL_AND_PIECEWISE
 
 # (requested mode, attention split) -> {support: (result for query len 1, for query len 2)}
-# Written out by hand from the rules in issue 2, not computed by the code under test.
+# Written out by hand from the mode rules, not computed by the code under test.
 RESOLUTION_TABLE = {
     (NONE, True): {
         S.ALWAYS: (NONE, NONE),

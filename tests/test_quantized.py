@@ -1,4 +1,4 @@
-"""Quantized weights (issue 32): GGUF Q8_0/Q4_0/Q4_1 blocks kept, the int8 kernel, int8 of
+"""Quantized weights: GGUF Q8_0/Q4_0/Q4_1 blocks kept, the int8 kernel, int8 of
 float checkpoints.
 
 Tolerances: the kernel quantizes each row of x to int8 per block of 32, as llama.cpp does,

@@ -1,5 +1,5 @@
 """The soak benchmark's smoke, as CI runs it: a minute of the same saturating mixed traffic on
-a tiny model (eager, so nothing compiles), every target checked (issue 47)."""
+a tiny model (eager, so nothing compiles), every target checked."""
 
 from __future__ import annotations
 
