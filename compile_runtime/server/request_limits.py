@@ -4,12 +4,17 @@ read past the bound), the prompts of one completion call (``--max-prompts-per-re
 and the choices it asks the engine for, prompts times ``n`` (``--max-choices-per-request``);
 and the bytes of large bodies (1 MiB or more) being read and decoded at once
 (``--max-body-bytes-in-flight``): past it, a large body waits for others to finish, and
-after ``BODY_WAIT_SECONDS`` is a 503. Each refusal is a 4xx naming the field and the flag
+after ``BODY_WAIT_SECONDS`` is a 503; when the last large body is done, the C heap gives
+its free memory back to the OS (glibc's ``malloc_trim``), so RSS returns after a burst.
+Each refusal is a 4xx naming the field and the flag
 that raises the bound."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ctypes
+import ctypes.util
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +62,11 @@ class BodyTooLarge(BaseException):
 
 LARGE_BODY = 1 << 20
 BODY_WAIT_SECONDS = 30.0
+
+
+def _malloc_trim() -> None:
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
 
 
 class ByteBudget:
@@ -133,6 +143,8 @@ class BodySizeLimit:
             await self._handle(scope, receive, send, release)
         finally:
             await release()
+            if self.budget.used == 0:  # the burst is over: its heap back to the OS
+                await asyncio.get_running_loop().run_in_executor(None, _malloc_trim)
 
     async def _handle(self, scope: dict, receive: Any, send: Any, on_start: Any = None) -> None:
         read = 0

@@ -1,7 +1,9 @@
 """The blocking work of preparing a request, off the event loop: tokenizing, chat templates,
 output-constraint checks, the engine's checks of a call's requests and LoRA adapter
 loading run in a few worker threads (tokenizers and xgrammar release the GIL), each with
-a time bound, so that ``/health`` and the other requests answer while one is slow.
+a time bound, so that ``/health`` and the other requests answer while one is slow. The
+threads run at a lower CPU priority (nice ``NICENESS``, where the OS sets it per thread) so
+that a slow job yields the cores to the event loop and the engine.
 
 A job past its bound is a 400 naming the field that made it slow (its thread finishes on
 its own; the request is answered at once); one that waited for a free worker past the
@@ -11,6 +13,8 @@ bound is a 503 (the server is busy: retry).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import os
 import queue
 import threading
 from collections.abc import Callable
@@ -23,6 +27,7 @@ T = TypeVar("T")
 
 WORKERS = 4
 PREPARE_SECONDS = 20.0
+NICENESS = 10
 
 
 class WorkerPool:
@@ -37,6 +42,8 @@ class WorkerPool:
         self._lock = threading.Lock()
 
     def _work(self) -> None:
+        with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
         while (job := self._jobs.get()) is not None:
             future, fn = job
             if not future.set_running_or_notify_cancel():
