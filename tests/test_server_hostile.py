@@ -349,8 +349,23 @@ def test_byte_budget_and_worker_pool_bounds():
         assert busy.value.status == 503
         p.shutdown()
 
+    async def interrupted():  # a template loop is stopped at the bound: the worker is free
+        import jinja2.sandbox
+
+        p = WorkerPool(workers=1, timeout_s=0.2)
+        loop = "{% for i in range(99999) %}{% for j in range(300) %}{% endfor %}{% endfor %}"
+        render = jinja2.sandbox.ImmutableSandboxedEnvironment().from_string(loop).render
+        with pytest.raises(APIError) as slow:
+            await p.run(render, what="rendering", param="messages", interrupt=True)
+        assert slow.value.status == 400
+        start = time.monotonic()
+        assert await p.run(sum, [1], what="adding", param=None) == 1
+        assert time.monotonic() - start < 0.1
+        p.shutdown()
+
     asyncio.run(budget())
     asyncio.run(pool())
+    asyncio.run(interrupted())
 
 
 def test_a_500_carries_a_request_id_not_the_exception(caplog):
@@ -389,3 +404,21 @@ def test_a_500_carries_a_request_id_not_the_exception(caplog):
     request_id = error["message"].split("request id ")[1].split(")")[0]
     record = next(r for r in caplog.records if request_id in r.getMessage())
     assert record.exc_info is not None and "secret" in str(record.exc_info[1])
+
+
+def test_a_trusted_request_template_renders_and_its_loop_is_stopped(model_dirs, tmp_path):
+    model = chat_model_dir(model_dirs("llama"), str(tmp_path))
+    running = RunningServer(model, "--trust-request-chat-template", "--max-prepare-seconds", "1")
+    try:
+        body = {"model": model, "messages": M, "chat_template_kwargs": {"who": "me"}}
+        status, out = raw(running, "/tokenize", {**body, "chat_template": "{{ who }}!"})
+        assert status == 200 and out["count"] >= 1, out
+        loop = "{% for i in range(99999) %}{% for j in range(9999) %}{% endfor %}{% endfor %}"
+        start = time.monotonic()
+        assert_400(raw(running, CHAT, {**body, "chat_template": loop}), "messages")
+        assert time.monotonic() - start < 5
+        assert get(running.url + "/health")[0] == 200
+        status, out = raw(running, CHAT, {**body, "max_tokens": 2})
+        assert status == 200, out
+    finally:
+        running.stop()

@@ -161,6 +161,7 @@ def build_app(
         return await server.pool.run(
             tokenization.tokenize, body, tok, server.adapters, server.max_model_len,
             server.trust_request_chat_template, what="tokenizing", param="prompt",
+            interrupt=body.messages is not None,
         )  # fmt: skip
 
     @app.post("/detokenize")

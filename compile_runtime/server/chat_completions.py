@@ -84,7 +84,7 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
     ids = await server.pool.run(
         chat_token_ids, body, tok, body.tools, server.max_model_len,
         server.trust_request_chat_template, what="rendering the chat template",
-        param="messages",
+        param="messages", interrupt=True,
     )  # fmt: skip
     max_field = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
     max_tokens = (

@@ -6,7 +6,7 @@ template: a key naming one of the tokenizer's own arguments (``tokenize``,
 
 The template renders in transformers' jinja2 sandbox (``ImmutableSandboxedEnvironment``:
 no attribute of Python internals, ``range`` bounded), in a worker thread with a time bound
-(``worker_pool.py``).
+at which the rendering is stopped (``worker_pool.py``).
 """
 
 from __future__ import annotations

@@ -5,15 +5,18 @@ a time bound, so that ``/health`` and the other requests answer while one is slo
 threads run at a lower CPU priority (nice ``NICENESS``, where the OS sets it per thread) so
 that a slow job yields the cores to the event loop and the engine.
 
-A job past its bound is a 400 naming the field that made it slow (its thread finishes on
-its own; the request is answered at once); one that waited for a free worker past the
-bound is a 503 (the server is busy: retry).
+A job past its bound is a 400 naming the field that made it slow (the request is answered
+at once); one that waited for a free worker past the bound is a 503 (the server is busy:
+retry). A job run with ``interrupt`` (Python-level work, such as rendering a template) is
+stopped at its bound: ``JobInterrupted`` is raised in its thread at the next bytecode; any
+other finishes on its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import os
 import queue
 import threading
@@ -28,6 +31,42 @@ T = TypeVar("T")
 WORKERS = 4
 PREPARE_SECONDS = 20.0
 NICENESS = 10
+
+
+class JobInterrupted(BaseException):
+    """Raised in a worker thread whose interruptible job ran past its bound."""
+
+
+class _Job:
+    def __init__(self, fn: Callable[[], Any], interruptible: bool):
+        self.future: Future = Future()
+        self.fn = fn
+        self.interruptible = interruptible
+        self.thread_id: int | None = None  # while it runs
+        self.lock = threading.Lock()
+
+    def run(self) -> None:
+        if not self.future.set_running_or_notify_cancel():
+            return  # its request gave up waiting
+        with self.lock:
+            self.thread_id = threading.get_ident()
+        try:
+            result, error = self.fn(), None
+        except BaseException as e:  # noqa: BLE001 - the request's to report
+            result, error = None, e
+        with self.lock:
+            self.thread_id = None
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
+
+    def interrupt(self) -> None:
+        with self.lock:
+            if self.interruptible and self.thread_id is not None:
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(self.thread_id), ctypes.py_object(JobInterrupted)
+                )
 
 
 class WorkerPool:
@@ -45,13 +84,11 @@ class WorkerPool:
         with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
         while (job := self._jobs.get()) is not None:
-            future, fn = job
-            if not future.set_running_or_notify_cancel():
-                continue  # its request gave up waiting
             try:
-                future.set_result(fn())
-            except BaseException as e:  # noqa: BLE001 - the request's to report
-                future.set_exception(e)
+                job.run()
+            except JobInterrupted:  # it arrived after the job's own code: the thread goes on
+                if not job.future.done():
+                    job.future.set_exception(JobInterrupted())
 
     def _start(self) -> None:
         with self._lock:
@@ -63,20 +100,28 @@ class WorkerPool:
                 self._threads.append(thread)
 
     async def run(
-        self, fn: Callable[..., T], *args: Any, what: str, param: str | None, **kwargs: Any
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        what: str,
+        param: str | None,
+        interrupt: bool = False,
+        **kwargs: Any,
     ) -> T:
-        """``fn(*args, **kwargs)`` in a worker; ``what``: the work, as the error names it."""
+        """``fn(*args, **kwargs)`` in a worker; ``what``: the work, as the error names it;
+        ``interrupt``: stop it at the bound (Python-level work only)."""
         if len(self._threads) < self.workers:
             self._start()
-        future: Future = Future()
-        self._jobs.put((future, lambda: fn(*args, **kwargs)))
+        job = _Job(lambda: fn(*args, **kwargs), interrupt)
+        self._jobs.put(job)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), self.timeout_s)
         except TimeoutError:
-            if future.cancel():  # never started: every worker was busy
+            if job.future.cancel():  # never started: every worker was busy
                 raise APIError(
                     503, "the server is busy preparing other requests; retry shortly"
                 ) from None
+            job.interrupt()
             where = f"{param}: " if param else ""
             raise APIError(
                 400,
