@@ -185,16 +185,15 @@ def check_response_format(value: dict[str, Any], what: str, flat: bool = False) 
     spec = value if flat else value.get("json_schema")
     if not isinstance(spec, dict):
         raise ValueError(f"{what}.json_schema must be an object with the schema")
-    if flat:
-        what = what.removesuffix(".json_schema")
+    where = what if flat else f"{what}.json_schema"
     for key in ("name", "description"):
         if spec.get(key) is not None and not isinstance(spec[key], str):
-            raise ValueError(f"{what}.json_schema.{key} must be a string")
+            raise ValueError(f"{where}.{key} must be a string")
     if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
-        raise ValueError(f"{what}.json_schema.strict must be a boolean")
+        raise ValueError(f"{where}.strict must be a boolean")
     schema = spec.get("schema", spec.get("json_schema"))
     if schema is not None:
-        check_schema(schema, f"{what}.json_schema.schema")
+        check_schema(schema, f"{where}.schema")
 
 
 def check_tools(tools: list[dict[str, Any]], responses: bool = False) -> None:
