@@ -26,6 +26,10 @@ class OpenAIModel(BaseModel):
     # No NaN or Infinity in any float field.
     model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
+
+class RequestBody(OpenAIModel):
+    """A whole request body: its text checked once, nested parts included."""
+
     @model_validator(mode="before")
     @classmethod
     def _unicode(cls, data: Any) -> Any:
@@ -125,7 +129,7 @@ class SamplingFields(SamplingExtras):
         return o is not None and bool(o.include_usage or o.continuous_usage_stats)
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, RequestBody):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool | None = False
@@ -175,7 +179,7 @@ class ChatTemplateFields(OpenAIModel):
     add_special_tokens: bool = False  # only False: the template adds them
 
 
-class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields, RequestBody):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
@@ -199,7 +203,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         return v
 
 
-class ResponsesRequest(SamplingExtras):
+class ResponsesRequest(SamplingExtras, RequestBody):
     """``POST /v1/responses``: OpenAI's Responses fields (``responses.py`` runs them as a chat
     completion) and vLLM's sampling extras (``SamplingExtras``)."""
 
@@ -250,7 +254,7 @@ class ResponsesRequest(SamplingExtras):
     include: list[str] | None = None
 
 
-class TokenizeRequest(ChatTemplateFields):
+class TokenizeRequest(ChatTemplateFields, RequestBody):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the template."""
 
     model: str | None = None
@@ -262,19 +266,19 @@ class TokenizeRequest(ChatTemplateFields):
     return_token_strs: bool | None = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 
 
-class LoadLoRAAdapterRequest(OpenAIModel):
+class LoadLoRAAdapterRequest(RequestBody):
     """vLLM's ``/v1/load_lora_adapter`` body."""
 
     lora_name: str
     lora_path: str
 
 
-class UnloadLoRAAdapterRequest(OpenAIModel):
+class UnloadLoRAAdapterRequest(RequestBody):
     """vLLM's ``/v1/unload_lora_adapter`` body (``lora_int_id`` is accepted and unused)."""
 
     lora_name: str

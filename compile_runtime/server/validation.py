@@ -65,6 +65,13 @@ def unencodable(value: Any, where: str = "") -> str | None:
 
 def check_encodable(value: Any) -> None:
     """An ``APIError`` (400) naming the first field holding text that is not Unicode."""
+    try:  # the common case at C speed; the walk only to name the field
+        json.dumps(value, ensure_ascii=False, check_circular=False).encode("utf-8")
+        return
+    except UnicodeEncodeError:
+        pass
+    except (TypeError, ValueError, RecursionError):
+        pass  # not JSON (a model built in code) or too deep: walk it
     where = unencodable(value)
     if where is not None:
         field = where.split(".", 1)[0]
