@@ -93,3 +93,9 @@ def get_forward_context() -> ForwardContext:
 
 def is_forward_context_available() -> bool:
     return bool(_stack)
+
+
+def current_forward_context() -> ForwardContext | None:
+    """The forward context, or None outside a forward: one call where a step's hot path
+    would make two (``is_forward_context_available``, then ``get_forward_context``)."""
+    return _stack[-1] if _stack else None

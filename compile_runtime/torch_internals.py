@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import re
 import types
 from collections.abc import Callable, Iterator
@@ -111,9 +112,10 @@ def op_overload_name(target: Any) -> str | None:
 
 
 # checked: 2.13.0, 2.11
-def tensor_version(tensor: torch.Tensor) -> int:
-    """The tensor's in-place version counter (moves at every in-place write)."""
-    return tensor._version
+# ``tensor_version(tensor)``: the tensor's in-place version counter (moves at every in-place
+# write). An attrgetter, not a def: read on every packed-weight lookup (each step's LM head),
+# where a Python frame costs more than the read.
+tensor_version: Callable[[torch.Tensor], int] = operator.attrgetter("_version")
 
 
 # checked: 2.13.0, 2.11

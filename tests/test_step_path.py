@@ -90,3 +90,83 @@ def test_one_generate_walks_few_files_one_way(llm):
     assert not back_calls, "calls back into a file above: " + "; ".join(
         f"{path} from {down}" for path, down in sorted(back_calls)
     )
+
+
+# One steady batch-1 decode step (sizes captured, the request three decodes in): the files
+# and calls it enters. Here 49 calls in 24 files (step_inputs.py 8 times); on SmolLM2's Q4_1
+# file 97 calls in 27 files (step_inputs.py 18 times) before the step path was trimmed, 45 in
+# 22 after. The goal: at most 15 files, 60 calls, no file entered more than twice. These are
+# ceilings at what is reached now: lower them as the step gets shorter.
+MAX_STEP_FILES = 24
+MAX_STEP_CALLS = 49
+MAX_STEP_PER_FILE = 8
+
+
+def test_one_decode_step_makes_few_calls(llm):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # compiles and captures
+    core = llm.core
+    req = core.make_request([5, 6, 7], params)
+    core.check(req)
+    core.add([req])
+    for _ in range(3):  # the prefill, then decodes until every size on the way is captured
+        core.step()
+    calls: list[tuple[str, str]] = []
+
+    def profile(frame, event, _arg) -> None:
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(SOURCES):
+            calls.append((path.removeprefix(str(REPO) + "/"), frame.f_code.co_name))
+
+    sys.setprofile(profile)
+    try:
+        out = core.step()
+    finally:
+        sys.setprofile(None)
+    assert out.decode_only and [t[0] for t in out.tokens] == [req.req_id]
+    entered = Counter(path for path, _ in calls)
+    listing = "\n".join(f"{n:5d} {path}" for path, n in entered.most_common())
+    listing += "\n" + "\n".join(f"{path} {name}" for path, name in calls)
+    assert len(entered) <= MAX_STEP_FILES, f"{len(entered)} files entered:\n{listing}"
+    assert len(calls) <= MAX_STEP_CALLS, f"{len(calls)} calls:\n{listing}"
+    most = entered.most_common(1)[0][1]
+    assert most <= MAX_STEP_PER_FILE, f"a file entered {most} times:\n{listing}"
+    core.abort([req.req_id])  # the module's llm runs the next test with nothing left over
+
+
+def test_the_lm_heads_resolved_kernel_notices_a_weight_written_in_place():
+    """The quantized LM head finds its kernel call once (cpu/quant_gemm.py
+    ``resolve_quant_linear``), not every step: it gives cpu_linear's logits, and a weight
+    written in place afterwards (its version moves) runs unpacked, never read as packed."""
+    gguf = pytest.importorskip("gguf")
+    import numpy as np
+    import torch
+
+    from compile_runtime.cpu import quant_formats as qf
+    from compile_runtime.cpu.quant_gemm import kernel_available, quant_linear
+    from compile_runtime.distributed.vocab import ParallelLMHead
+
+    if not kernel_available():
+        pytest.skip("no quantized kernel on this CPU")
+    rng = np.random.default_rng(0)
+    from gguf.quants import quantize
+
+    weights = rng.standard_normal((40, 64)).astype(np.float32)
+    blocks = quantize(weights, gguf.GGMLQuantizationType.Q8_0)
+    w = torch.nn.Parameter(torch.from_numpy(qf.from_gguf_blocks(blocks, qf.Q8_0)), False)
+    qf.pack_rows(w)  # the parameter's own record, as after loading
+    head = ParallelLMHead(40, 64)
+    head.weight = w
+    head.use_packed_weight = True
+    hidden = torch.randn(2, 64)
+    for _ in range(2):  # found, then reused
+        torch.testing.assert_close(
+            head.compute_logits(hidden), quant_linear(hidden, w, None), rtol=0, atol=0
+        )
+    assert head._resolved[1] is not None
+    with torch.no_grad():
+        w.copy_(torch.from_numpy(qf.from_gguf_blocks(blocks, qf.Q8_0)))  # row layout again
+    assert not qf.is_packed(w)
+    torch.testing.assert_close(
+        head.compute_logits(hidden), quant_linear(hidden, w, None), rtol=0, atol=0
+    )

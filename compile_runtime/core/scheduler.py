@@ -209,20 +209,29 @@ class Scheduler:
             if req.in_flight:
                 i += 1
                 continue
-            num_new = min(self._num_tokens_to_compute(req), budget)
-            new_blocks = self._allocate_or_preempt(req, num_new, out)
-            if new_blocks is None:  # req was the newest left and preempted itself
-                break
+            # _num_tokens_to_compute and _allocate_or_preempt inlined for a decode's few calls.
+            num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+            num_new = num_tokens - req.num_computed_tokens + len(req.spec_token_ids)
+            if self.long_prefill_token_threshold is not None:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            num_new = min(num_new, budget)
+            block_size = self.block_size
+            if -(-(req.num_computed_tokens + num_new) // block_size) <= len(req.block_ids):
+                new_blocks = []  # room in its blocks: nothing to allocate
+            else:
+                new_blocks = self._allocate_or_preempt(req, num_new, out)
+                if new_blocks is None:  # req was the newest left and preempted itself
+                    break
             out.scheduled_cached_reqs.req_ids.append(req.req_id)
             out.scheduled_cached_reqs.new_block_ids.append(new_blocks)
             out.scheduled_cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             if self.pipelined:
                 new_tokens = req.all_token_ids[req.num_tokens_on_workers :]
                 out.scheduled_cached_reqs.new_token_ids.append(new_tokens)
-            req.num_tokens_on_workers, req.in_flight = req.num_tokens, self.pipelined
+            req.num_tokens_on_workers, req.in_flight = num_tokens, self.pipelined
             out.num_scheduled_tokens[req.req_id] = num_new
             # Drafts that did not fit the budget wait for the next proposal.
-            num_drafts = num_new - (req.num_tokens - req.num_computed_tokens)
+            num_drafts = num_new - (num_tokens - req.num_computed_tokens)
             if num_drafts > 0:
                 out.scheduled_spec_decode_tokens[req.req_id] = req.spec_token_ids[:num_drafts]
             req.spec_token_ids = []
@@ -233,8 +242,14 @@ class Scheduler:
         # Under memory pressure nobody new joins this step. A request whose grammar still
         # compiles is passed over, keeping its place (the rest go on); only with nothing else
         # to run does the last of the queue wait for its grammar.
-        grammars = self._active_grammars()
-        adapters = {r.lora_request.lora_int_id for r in self.running if r.lora_request}
+        grammars = self.structured_outputs  # None unless a constrained request is queued or running
+        if grammars is not None and not grammars.requests:
+            grammars = None
+        adapters = set()
+        if self.waiting:
+            for r in self.running:
+                if r.lora_request:
+                    adapters.add(r.lora_request.lora_int_id)
         w = 0  # the queue position looked at
         while (
             not preempted_any
@@ -350,9 +365,12 @@ class Scheduler:
         logprobs = dict(zip(runner_output.req_ids, runner_output.logprobs, strict=False))
         spec = scheduler_output.scheduled_spec_decode_tokens
         # Pipelined: requests aborted or stopped while their step ran get nothing more.
-        ended = {r for r in scheduler_output.num_scheduled_tokens if r not in self.requests}
+        ended = scheduler_output.num_scheduled_tokens.keys() - self.requests.keys()
         check_runner_output(scheduler_output, runner_output, self.requests, ended)
-        grammars = self._active_grammars()
+        grammars = self.structured_outputs  # None unless a constrained request is queued or running
+        if grammars is not None and not grammars.requests:
+            grammars = None
+        block_size = self.block_size
         finished: list[Request] = []
         for req_id, n in scheduler_output.num_scheduled_tokens.items():
             if req_id in ended:
@@ -372,23 +390,22 @@ class Scheduler:
             # Rejected drafts' KV is not computed: those slots are written again later.
             num_rejected = len(drafts) + 1 - len(tokens) if tokens else 0
             req.num_computed_tokens = min(
-                req.num_computed_tokens + n - num_rejected, req.num_tokens
+                req.num_computed_tokens + n - num_rejected,
+                len(req.prompt_token_ids) + len(req.output_token_ids),
             )
-            if self.enable_prefix_caching:
-                cache_computed_blocks(self.block_pool, req, self.block_size)
+            # Only when a block filled up (cache_computed_blocks' own first check).
+            if (
+                self.enable_prefix_caching
+                and req.num_computed_tokens // block_size > req.num_cached_blocks
+            ):
+                cache_computed_blocks(self.block_pool, req, block_size)
             if status is not None:
                 self._finish(req, status)
                 finished.append(req)
             elif tokens:
-                req.spec_token_ids = capped_drafts(
-                    req, runner_output.draft_token_ids.get(req_id, [])
-                )
+                proposed = runner_output.draft_token_ids.get(req_id)
+                req.spec_token_ids = capped_drafts(req, proposed) if proposed else []
         return finished
-
-    def _active_grammars(self) -> StructuredOutputManager | None:
-        """The grammars' manager while a constrained request is queued or running, else None."""
-        grammars = self.structured_outputs
-        return grammars if grammars is not None and grammars.requests else None
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if self.structured_outputs is not None and req.req_id in self.structured_outputs.requests:

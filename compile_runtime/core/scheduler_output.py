@@ -89,9 +89,10 @@ class SchedulerOutput:
     def num_computed_tokens(self) -> dict[str, int]:
         """Tokens each scheduled request had computed before this step. The scheduler keeps
         the only count (rejected drafts and preemptions included); the runner keeps none."""
-        counts = {new.req_id: new.num_computed_tokens for new in self.scheduled_new_reqs}
         cached = self.scheduled_cached_reqs
-        counts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        counts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        for new in self.scheduled_new_reqs:  # a loop, not a comprehension: no frame per step
+            counts.setdefault(new.req_id, new.num_computed_tokens)
         return counts
 
 
@@ -134,7 +135,8 @@ def check_runner_output(
         req = requests.get(req_id)
         if req is None or req.status is not RequestStatus.RUNNING:
             raise ValueError(f"request {req_id!r} in the scheduler output is not running")
-        completes_prompt = req.num_computed_tokens + n >= req.num_tokens
+        num_tokens = len(req.prompt_token_ids) + len(req.output_token_ids)
+        completes_prompt = req.num_computed_tokens + n >= num_tokens
         tokens = sampled.get(req_id) or []
         if completes_prompt and not tokens:
             raise ValueError(
@@ -144,7 +146,7 @@ def check_runner_output(
         if not completes_prompt and tokens:
             raise ValueError(
                 f"request {req_id!r} is mid-prefill ({req.num_computed_tokens + n} of "
-                f"{req.num_tokens} tokens) but the runner sampled tokens {tokens} for it"
+                f"{num_tokens} tokens) but the runner sampled tokens {tokens} for it"
             )
         if len(tokens) > 1 + len(spec.get(req_id, ())):
             raise ValueError(

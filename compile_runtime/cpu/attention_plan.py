@@ -157,8 +157,13 @@ class CPUBatchedMetadataBuilder(AttentionMetadataBuilder):
             "max_block_id": int(rows.max()) if rows.size else 0,
             "max_slot": int(slots.max()) if len(slots) else -1,
         }
-        if self.num_cache_blocks is not None:  # before a replay too, which no layer checks
-            check_bounds(bounds, self.num_cache_blocks, self.block_size)
+        num_blocks = self.num_cache_blocks  # checked before a replay too, which no layer checks
+        if num_blocks is not None and (  # check_bounds' test, inlined: it raises
+            bounds["min_block_id"] < 0
+            or bounds["max_block_id"] >= num_blocks
+            or bounds["max_slot"] >= num_blocks * self.block_size
+        ):
+            check_bounds(bounds, num_blocks, self.block_size)
         if metadata.uniform_decode:  # the common step: request i decodes token i
             decode = functools.partial(self._decode_plan, seq_lens, table)
             metadata.backend_state = BatchedPlan(decode, None, **bounds, uniform_query_len=1)

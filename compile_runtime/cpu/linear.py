@@ -125,11 +125,19 @@ def float_linear(
     """``F.linear(x, weight, bias)`` for a float weight, by the kernel chosen for its row
     count (tuned, else built in); oneDNN or ``F.linear`` when that one declines."""
     rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
-    if entry is not None and entry.kernels is not None:
-        name = entry.kernels[bucket_index(rows)]
-    else:
+    if entry is None:
         name = built_in_kernel(entry, weight.dtype, rows)
-    out = run_kernel(name, x, weight, entry, bias)
+    elif entry.kernels is not None:
+        name = entry.kernels[bucket_index(rows)]
+    else:  # the built-in choice, once per row count (its inputs are the record's own)
+        name = entry.built_in.get(rows)
+        if name is None:
+            name = entry.built_in[rows] = built_in_kernel(entry, weight.dtype, rows)
+    # The GEMV (a decode's common kernel) directly: a call less than through run_kernel.
+    if name == "gemv":
+        out = gemv_linear(x, weight, bias)
+    else:
+        out = run_kernel(name, x, weight, entry, bias)
     if out is None:
         out = run_kernel("onednn", x, weight, entry, bias)
     return out if out is not None else F.linear(x, weight, bias)

@@ -34,7 +34,7 @@ from compile_runtime.torch_internals import tensor_version
 class PackedWeight:
     """One weight's processed forms, and the parameter's layout and version when made."""
 
-    __slots__ = ("amx", "kernels", "onednn", "shape", "stride", "version", "weight")
+    __slots__ = ("amx", "built_in", "kernels", "onednn", "shape", "stride", "version", "weight")
 
     def __init__(
         self,
@@ -52,6 +52,8 @@ class PackedWeight:
         # A float weight's kernel per row bucket, measured here (cpu_linear.py); None:
         # the built-in choice.
         self.kernels: tuple[str, ...] | None = None
+        # Rows -> the built-in choice, worked out at a row count's first call (cpu_linear.py).
+        self.built_in: dict[int, str] = {}
 
 
 _by_address: dict[int, PackedWeight] = {}

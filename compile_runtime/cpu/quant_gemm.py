@@ -33,7 +33,7 @@ still runs here, through its dequantized floats (correct, slow).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,7 @@ from torch import nn
 
 from compile_runtime.cpu.native_function import NativeFunction
 from compile_runtime.cpu.packed_weights import PackedWeight, lookup
+from compile_runtime.cpu.packed_weights import _by_address as _records
 from compile_runtime.cpu.quant_formats import (
     Q4_0,
     Q4_1,
@@ -49,6 +50,7 @@ from compile_runtime.cpu.quant_formats import (
     format_of,
     pack_rows,
 )
+from compile_runtime.torch_internals import tensor_version
 
 if TYPE_CHECKING:
     from compile_runtime.cpu.c_library import CLibrary
@@ -128,6 +130,57 @@ def quant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             torch.get_num_threads(),
         )  # fmt: skip
     return out if two_d else out.view(*x.shape[:-1], n)
+
+
+class ResolvedQuantLinear(NamedTuple):
+    """What ``quant_linear``'s kernel path needs of one packed weight, found once
+    (``resolve_quant_linear``) for a layer called every step (the LM head)."""
+
+    weight: torch.Tensor
+    entry: PackedWeight  # lookup(weight) when resolved
+    kernel: NativeFunction
+    fmt_id: int
+    n: int
+    k: int
+
+
+def resolve_quant_linear(weight: torch.Tensor) -> ResolvedQuantLinear | None:
+    """``quant_linear``'s kernel path for the parameter ``weight``, resolved; None when it
+    would not take it (no kernel, not a packed quantized weight)."""
+    kernel = _kernel()
+    if kernel is None or weight.dtype != torch.uint8 or weight.dim() != 3:
+        return None
+    n, nb, block_bytes = weight.shape
+    fmt_id = _FORMAT_BY_BYTES.get(block_bytes)
+    entry = lookup(weight)
+    if fmt_id is None or entry is None or entry.weight() is not weight:
+        return None
+    return ResolvedQuantLinear(weight, entry, kernel, fmt_id, n, nb * 32)
+
+
+def run_resolved(plan: ResolvedQuantLinear, x: torch.Tensor) -> torch.Tensor | None:
+    """``quant_linear(x, plan.weight, None)`` for a 2-D ``x`` with unit stride, by the same
+    kernel call, without finding it again; None (the caller takes ``quant_linear``) unless
+    the plan still holds: the weight's record is what ``lookup`` gives (at its address,
+    its version unmoved: a weight changed in place is noticed)."""
+    weight, entry, dtype = plan.weight, plan.entry, x.dtype
+    if (
+        dtype not in _X_DTYPES
+        or x.dim() != 2
+        or x.shape[1] != plan.k
+        or x.stride(-1) != 1
+        or _records.get(weight.data_ptr()) is not entry
+        or tensor_version(weight) != entry.version
+    ):
+        return None
+    rows, n = x.shape[0], plan.n
+    out = torch.empty(rows, n, dtype=dtype)
+    if rows:
+        plan.kernel(
+            x.data_ptr(), x.stride(0), _X_DTYPES[dtype], weight.data_ptr(), plan.fmt_id,
+            None, out.data_ptr(), n, rows, n, plan.k, torch.get_num_threads(),
+        )  # fmt: skip
+    return out
 
 
 def quant_rows(weight: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from compile_runtime.cpu.linear import linear
+from compile_runtime.cpu.quant_gemm import ResolvedQuantLinear, resolve_quant_linear, run_resolved
 from compile_runtime.distributed.communication import (
     gather_to_first_rank,
     tensor_parallel_all_reduce,
@@ -61,13 +62,28 @@ class ParallelLMHead(VocabParallelEmbedding):
     """Logits over the vocabulary; full logits on rank 0 only (None elsewhere)."""
 
     use_packed_weight = False  # set by compile_runtime.cpu.linear.pack_linear_weights
+    # (weight, its packed quantized kernel call or None), found at the first call: None
+    # before it, and after the call stopped holding (found again at the next).
+    _resolved: tuple[torch.Tensor, ResolvedQuantLinear | None] | None = None
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        if self.weight.dtype == torch.uint8:
+        weight = self.weight
+        logits = None
+        if weight.dtype == torch.uint8:
             # A quantized head's kernel sums in float32 whatever x is: float32 logits keep
             # greedy's top two apart, where bf16's 8-bit mantissa often ties them.
             hidden_states = hidden_states.float()
-        logits = linear(hidden_states, self.weight, None, self.use_packed_weight)
+            if self.use_packed_weight:  # cpu_linear's path, without walking it every step
+                resolved = self._resolved
+                if resolved is None or resolved[0] is not weight:
+                    resolved = self._resolved = (weight, resolve_quant_linear(weight))
+                plan = resolved[1]
+                if plan is not None:
+                    logits = run_resolved(plan, hidden_states)
+                    if logits is None:
+                        self._resolved = None  # no longer holds: found again next call
+        if logits is None:
+            logits = linear(hidden_states, weight, None, self.use_packed_weight)
         if self.world_size == 1:
             return logits
         gathered = gather_to_first_rank(logits, dim=-1)

@@ -243,11 +243,15 @@ class EngineCore:
         for req_id, ids, lps in zip(out.req_ids, out.sampled_token_ids, out.logprobs, strict=True):
             for i, token in enumerate(ids):
                 tokens.append((req_id, token, lps[i] if lps is not None else None))
+        decode_only = bool(counts)  # every request computes 1 token + its drafts
+        for r, n in counts.items():  # a loop: a generator's frames cost a decode step calls
+            if n != 1 + len(drafts.get(r, ())):
+                decode_only = False
+                break
         return StepOutput(
             tokens=tokens,
             finished=finished,
-            decode_only=bool(counts)
-            and all(n == 1 + len(drafts.get(r, ())) for r, n in counts.items()),
+            decode_only=decode_only,
             num_scheduled_tokens=sum(counts.values()),
             seconds=time.perf_counter() - start,
             runtime_mode=out.runtime_mode,

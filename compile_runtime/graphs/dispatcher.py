@@ -28,7 +28,8 @@ def is_uniform_decode(query_lens: Sequence[int] | np.ndarray, query_len: int = 1
     ``query_len`` tokens (one decode token and ``query_len - 1`` drafts).
 
     The one definition: the runner asks it of every step (the decode graphs are captured
-    for these batches, ``BatchDescriptor.uniform``), attention metadata of one-token decodes.
+    for these batches, ``BatchDescriptor.uniform``), attention metadata of one-token decodes
+    (both inline it, as ``n > 0 and (lens == query_len).all()``: a call less per step).
     """
     lens = np.asarray(query_lens)
     return lens.size > 0 and bool((lens == query_len).all())
@@ -170,7 +171,23 @@ class CudagraphDispatcher:
         exact count. ``invalid_modes`` rules modes out for this batch. ``has_lora``: some
         token runs an adapter (the descriptor says so, whatever the mode).
         """
-        mode, descriptor = self._dispatch(num_tokens, uniform_decode, invalid_modes)
+        # One function, not two: every step dispatches.
+        mode, descriptor = NONE, None
+        if uniform_decode and num_tokens < len(self._decode_pad) and num_tokens > 0:
+            if self._decode_mode not in invalid_modes:
+                if num_tokens % self.uniform_decode_query_len:
+                    raise ValueError(
+                        f"a uniform decode batch has a multiple of {self.uniform_decode_query_len} "
+                        f"tokens (uniform_decode_query_len), got {num_tokens}"
+                    )
+                mode = self._decode_mode
+                descriptor = self._decode_desc[self._decode_pad[num_tokens]]
+        if descriptor is None and 0 < num_tokens < len(self._mixed_pad):
+            if self._mixed_mode not in invalid_modes:
+                mode = self._mixed_mode
+                descriptor = self._mixed_desc[self._mixed_pad[num_tokens]]
+        if descriptor is None:
+            mode, descriptor = NONE, BatchDescriptor(num_tokens)
         if has_lora:
             if not self.lora and mode != NONE:
                 raise ValueError(
@@ -179,24 +196,6 @@ class CudagraphDispatcher:
                 )
             descriptor = replace(descriptor, has_lora=True)
         return mode, descriptor
-
-    def _dispatch(
-        self, num_tokens: int, uniform_decode: bool, invalid_modes: Collection[CUDAGraphMode]
-    ) -> tuple[CUDAGraphMode, BatchDescriptor]:
-        if uniform_decode and num_tokens < len(self._decode_pad) and num_tokens > 0:
-            mode = self._decode_mode
-            if mode not in invalid_modes:
-                if num_tokens % self.uniform_decode_query_len:
-                    raise ValueError(
-                        f"a uniform decode batch has a multiple of {self.uniform_decode_query_len} "
-                        f"tokens (uniform_decode_query_len), got {num_tokens}"
-                    )
-                return mode, self._decode_desc[self._decode_pad[num_tokens]]
-        if 0 < num_tokens < len(self._mixed_pad):
-            mode = self._mixed_mode
-            if mode not in invalid_modes:
-                return mode, self._mixed_desc[self._mixed_pad[num_tokens]]
-        return NONE, BatchDescriptor(num_tokens)
 
     def unreplayed_reason(self, num_tokens: int) -> str:
         """Why a batch of ``num_tokens`` that ``dispatch`` gave NONE runs without a graph."""

@@ -38,8 +38,7 @@ from compile_runtime.config import (
 from compile_runtime.counters import compilation_counter
 from compile_runtime.forward_context import (
     BatchDescriptor,
-    get_forward_context,
-    is_forward_context_available,
+    current_forward_context,
 )
 from compile_runtime.platforms.cuda import CUDA
 from compile_runtime.torch_internals import storage_over, tree_map_only
@@ -237,17 +236,16 @@ class CUDAGraphWrapper:
         return getattr(runnable, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not is_forward_context_available():
-            return self.runnable(*args, **kwargs)
-        context = get_forward_context()
-        if context.cudagraph_runtime_mode != self.runtime_mode:
+        context = current_forward_context()
+        if context is None or context.cudagraph_runtime_mode != self.runtime_mode:
             return self.runnable(*args, **kwargs)
         descriptor = context.batch_descriptor
         entry = self.entries.get(descriptor)  # type: ignore[arg-type]
         if entry is None:
             return self._capture(descriptor, args, kwargs)
-        if entry.input_addresses is not None:
-            self._check_addresses(descriptor, entry.input_addresses, args, kwargs)
+        captured = entry.input_addresses
+        if captured is not None and self._addresses(args, kwargs) != captured:
+            self._check_addresses(descriptor, captured, args, kwargs)  # names the one that moved
         entry.graph.replay()
         self.num_replays += 1
         return entry.outputs
@@ -298,11 +296,16 @@ class CUDAGraphWrapper:
             yield
 
     def _addresses(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[str, int]:
-        named = [
-            (self.arg_names[i] if i < len(self.arg_names) else f"argument {i}", value)
-            for i, value in enumerate(args)
-        ] + list(kwargs.items())
-        return {name: v.data_ptr() for name, v in named if isinstance(v, torch.Tensor)}
+        # Loops, not comprehensions: every replay checks, and each comprehension is a frame.
+        addresses = {}
+        names = self.arg_names
+        for i, value in enumerate(args):
+            if isinstance(value, torch.Tensor):
+                addresses[names[i] if i < len(names) else f"argument {i}"] = value.data_ptr()
+        for name, value in kwargs.items():
+            if isinstance(value, torch.Tensor):
+                addresses[name] = value.data_ptr()
+        return addresses
 
     def _check_addresses(
         self,

@@ -106,7 +106,8 @@ class InputBatch:
             self.add_request(new)
         cached = so.scheduled_cached_reqs
         for req_id, blocks in zip(cached.req_ids, cached.new_block_ids, strict=True):
-            self.block_table.append_row(self.requests[req_id].row, blocks)
+            if blocks:  # a decode within its blocks adds none
+                self.block_table.append_row(self.requests[req_id].row, blocks)
         if take_tokens:
             for req_id, tokens in zip(cached.req_ids, cached.new_token_ids, strict=True):
                 for token in tokens:
@@ -137,9 +138,11 @@ class InputBatch:
         state.output_token_ids.append(token)
 
     def rows(self, req_ids: list[str]) -> np.ndarray:
-        return np.fromiter(
-            (self.requests[r].row for r in req_ids), dtype=np.int64, count=len(req_ids)
-        )
+        rows = np.empty(len(req_ids), dtype=np.int64)
+        requests = self.requests
+        for i, req_id in enumerate(req_ids):  # a loop: a generator's frames cost calls per step
+            rows[i] = requests[req_id].row
+        return rows
 
 
 class BlockTable:

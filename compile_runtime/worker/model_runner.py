@@ -46,10 +46,7 @@ from compile_runtime.distributed import (
 from compile_runtime.distributed.pipeline import PipelineStage
 from compile_runtime.forward_context import set_forward_context
 from compile_runtime.graphs.capture import CaptureReport, LazyCapture, capture
-from compile_runtime.graphs.dispatcher import (
-    CudagraphDispatcher,
-    is_uniform_decode,
-)
+from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 from compile_runtime.graphs.wrapper import CUDAGraphWrapper, GraphFactory
 from compile_runtime.lora.manager import LoRAManager
 from compile_runtime.models.interface import CausalLanguageModel
@@ -275,7 +272,7 @@ class ModelRunner:
         if not so.num_scheduled_tokens:
             self.execute_state = ExecuteModelState([], torch.empty(0), [])
             return
-        total = so.total_num_scheduled_tokens
+        total = sum(so.num_scheduled_tokens.values())  # total_num_scheduled_tokens, inlined
         if total > self.max_num_tokens:
             raise ModelRunnerError(
                 f"{total} tokens scheduled in one step; max_num_batched_tokens is "
@@ -284,9 +281,13 @@ class ModelRunner:
         batch = self.input_batch
         step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
         # Data-parallel lockstep: a decode graph only if every engine's step is a decode.
-        uniform_decode = is_uniform_decode(step.num_scheduled, self.uniform_decode_query_len)
+        # is_uniform_decode and workload.record, inlined: two calls less on every step.
+        num_scheduled = step.num_scheduled
+        uniform_decode = len(num_scheduled) > 0 and bool(
+            (num_scheduled == self.uniform_decode_query_len).all()
+        )
         uniform_decode = uniform_decode and so.dp_uniform_decode is not False
-        self.workload.record(total, uniform_decode)
+        (self.workload.decode if uniform_decode else self.workload.mixed)[total] += 1
         check_token_ids(step.token_ids, self.vocab_size)
         loras = [batch.requests[r].lora_request for r in step.req_ids] if self.lora else []
         split = None  # micro-batches: the engines' decision in lockstep, else this engine's
@@ -391,7 +392,7 @@ class ModelRunner:
             batch = self.input_batch
             tokens, logprobs = sample_on_every_rank(
                 self.sampler,
-                [batch.requests[r] for r in req_ids],
+                list(map(batch.requests.__getitem__, req_ids)),  # no comprehension frame
                 state.logits,
                 state.drafts,
                 state.grammar_bitmask,

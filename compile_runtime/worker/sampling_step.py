@@ -30,10 +30,14 @@ def sample(
 
     Without drafts one token each; with drafts the rejection sampler verifies them.
     """
-    plain = all(s.plain_argmax for s in states)
+    plain = True  # loops, not generators: each generator or comprehension is a frame
+    for s in states:
+        if not s.plain_argmax:
+            plain = False
+            break
     if drafts is None and plain:
         # Nothing changes the logits: skip building the batch's sampling tensors.
-        return [[t] for t in greedy_tokens(logits).tolist()], [None] * len(states)
+        return greedy_tokens(logits).reshape(-1, 1).tolist(), [None] * len(states)
     metadata = None
     if not plain:
         # One sampling row per logits row: a draft position sees the drafts before it as

@@ -41,15 +41,15 @@ class StepInputs:
     token_ids: np.ndarray  # [total] the step's tokens
     positions: np.ndarray  # [total]
     slot_mapping: torch.Tensor  # [total] the KV cache slot each token writes
+    # Worked out once (fields, not properties: a step reads them several times).
+    total: int = -1  # the step's tokens; -1: from cu_num_scheduled
+    seq_lens: np.ndarray | None = None  # tokens each request attends to: computed + this step's
 
-    @property
-    def total(self) -> int:
-        return int(self.cu_num_scheduled[-1]) if len(self.req_ids) else 0
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        """Tokens each request attends to: its computed ones and this step's."""
-        return self.num_computed + self.num_scheduled
+    def __post_init__(self) -> None:
+        if self.total < 0:
+            self.total = int(self.cu_num_scheduled[-1]) if len(self.req_ids) else 0
+        if self.seq_lens is None:
+            self.seq_lens = self.num_computed + self.num_scheduled
 
 
 def pins_staging(device: torch.device | str) -> bool:
@@ -139,8 +139,10 @@ def flatten_step(
     """The step's tokens in the scheduler's request order: each request computes its
     ``num_scheduled_tokens`` from position ``num_computed_tokens`` on (the scheduler's count)."""
     req_ids = list(num_scheduled_tokens)
-    num_scheduled = _counts(num_scheduled_tokens, req_ids)
-    num_computed = _counts(num_computed_tokens, req_ids)
+    n = len(req_ids)
+    # map and fromiter run in C: no generator frames on every step.
+    num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=n)
+    num_computed = np.fromiter(map(num_computed_tokens.__getitem__, req_ids), np.int64, n)
     rows = batch.rows(req_ids)
     cu = np.cumsum(num_scheduled)
     if (num_scheduled == 1).all():  # decodes: token i is request i's, no expansion
@@ -164,6 +166,8 @@ def flatten_step(
         token_ids=batch.token_ids[token_rows, positions],
         positions=positions,
         slot_mapping=torch.from_numpy(slots),
+        total=int(cu[-1]) if n else 0,
+        seq_lens=num_computed + num_scheduled,
     )
 
 
@@ -182,10 +186,6 @@ def check_token_ids(token_ids: np.ndarray, vocab_size: int | None) -> None:
             f"token id {low if low < 0 else high} is outside the vocabulary of {vocab_size}; "
             "check the prompt's token ids"
         )
-
-
-def _counts(by_req: dict[str, int], req_ids: list[str]) -> np.ndarray:
-    return np.fromiter((by_req[r] for r in req_ids), dtype=np.int64, count=len(req_ids))
 
 
 class PromptSpan(NamedTuple):
@@ -213,7 +213,7 @@ def logits_rows(
 ) -> LogitsRows:
     """The rows to take logits at (``spec_tokens``: each request's drafts this step)."""
     done = step.seq_lens >= batch.num_tokens[step.rows]
-    spans = prompt_logprob_spans(step, batch)
+    spans = prompt_logprob_spans(step, batch) if batch.prompt_logprob_req_ids else []
     if not spec_tokens and not spans and done.all():  # each request's last row, no more
         num = len(step.req_ids)
         return LogitsRows(step.cu_num_scheduled - 1, list(step.req_ids), None, num, [])
