@@ -90,29 +90,25 @@ class Request:
         }.get(self.status)
 
 
-def stop_status(req: Request, token: int) -> RequestStatus | None:
-    """How ``token``, just appended to ``req``'s outputs, ends the request (None: it goes on)."""
-    params = req.sampling_params
-    num_out = len(req.output_token_ids)
-    if num_out >= params.min_tokens:
-        if token in req.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            req.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-    if num_out >= params.max_tokens:
-        return RequestStatus.FINISHED_LENGTH
-    return None
-
-
 def append_until_stop(
     req: Request, tokens: list[int], logprobs: list | None
 ) -> RequestStatus | None:
     """Append ``tokens`` to ``req``'s outputs up to the first that stops it; the ones after it
     are deleted from ``tokens`` and ``logprobs`` too (the caller's lists, in place)."""
+    params, outputs = req.sampling_params, req.output_token_ids
     for kept, token in enumerate(tokens, 1):
-        req.output_token_ids.append(token)
-        status = stop_status(req, token)
+        outputs.append(token)
+        # How the token ends the request (None: it goes on); inline, as every step asks.
+        status = None
+        num_out = len(outputs)
+        if num_out >= params.min_tokens:
+            if token in req.eos_token_ids and not params.ignore_eos:
+                status = RequestStatus.FINISHED_STOPPED
+            elif token in params.stop_token_ids:
+                req.stop_reason = token
+                status = RequestStatus.FINISHED_STOPPED
+        if status is None and num_out >= params.max_tokens:
+            status = RequestStatus.FINISHED_LENGTH
         if status is not None:
             del tokens[kept:]
             if logprobs is not None:
