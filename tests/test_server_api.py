@@ -1,4 +1,4 @@
-"""The server as a drop-in for vLLM's OpenAI server (issue 29): the bodies real clients send
+"""The server as a drop-in for vLLM's OpenAI server: the bodies real clients send
 (vLLM's benchmark client, the OpenAI SDK with its harmless extras), vLLM's sampling extras,
 fields the engine cannot honour (400s naming them), unknown fields (a warning), vLLM's extra
 endpoints, OpenAI-shaped errors on every path, logprobs wherever they are asked for, finish

@@ -19,8 +19,8 @@ from compile_runtime.engine.llm import LLM
 
 REPO = Path(__file__).resolve().parent.parent
 SOURCES = tuple(str(REPO / folder) + "/" for folder in ("compile_runtime", "backends", "passes"))
-# Files a batch-1 generate() enters: 44 before issue 42's redesign, 38 after it, 39 when the
-# saved program is loaded (program.py); the issue's goal is 20.
+# Files a batch-1 generate() enters (prefill, decode, the saved program loaded): a ceiling
+# that fails on regression; one concept per file and a Python prefill make ~24 the floor.
 MAX_FILES = 39
 
 
