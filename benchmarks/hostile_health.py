@@ -59,6 +59,8 @@ import threading
 import time
 import urllib.request
 
+from decode_replay import cpu_name
+
 from compile_runtime.table import format_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -109,14 +111,6 @@ def senders() -> list[tuple[str, str, dict, bool]]:
         ("valid-a", CHAT, valid, True),
         ("valid-b", CHAT, valid, True),
     ]  # fmt: skip
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        return "unknown"
 
 
 def free_port() -> int:
