@@ -31,8 +31,9 @@ def device_kind(device: torch.device | str | None = None, *, threads: bool = Fal
     """``cuda:<capability>:<name>`` for a GPU, ``cpu:<ISA>`` otherwise (``cpu:<ISA>:<n>t``
     with ``threads``: when the compiled code has the thread count baked in)."""
     device = resolve_device(device)
-    kind = platform_for(device).identity(device)
-    return f"{kind}:{torch.get_num_threads()}t" if threads and kind.startswith("cpu") else kind
+    platform = platform_for(device)
+    kind = platform.identity(device)
+    return f"{kind}:{torch.get_num_threads()}t" if threads and platform.sets_threads else kind
 
 
 def thread_count_baked_in(config: CompilationConfig) -> bool:

@@ -90,6 +90,6 @@ class Platform:
             build = f"CUDA {torch.version.cuda}" if torch.version.cuda else "CPU-only"
             return f"CUDA is not available here (torch {torch.__version__}, a {build} build)"
         last = device.index if device.index is not None else ranks - 1
-        if last >= torch.cuda.device_count():
-            return f"it needs GPU {last}, but this machine has {torch.cuda.device_count()}"
+        if last >= (count := self.device_count()):
+            return f"it needs GPU {last}, but this machine has {count}"
         return None

@@ -193,9 +193,10 @@ def num_kv_blocks(
     if config.num_gpu_blocks_override is not None:
         return config.num_gpu_blocks_override
     per_block = kv_cache_bytes_per_block(layers, config.block_size, dtype)
-    if platform_for(device).profiles_memory:
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()  # the profile's activations count as free
+    platform = platform_for(device)
+    if platform.profiles_memory:
+        platform.synchronize(device)
+        platform.release_cached_memory()  # the profile's activations count as free
         free, total = torch.cuda.mem_get_info(device)
         peak = torch.cuda.max_memory_allocated(device)
         memory = CudaMemory(
