@@ -89,6 +89,7 @@ def assert_400(answer: tuple[int, dict | str], param: str) -> dict:
 
 
 CHAT = "/v1/chat/completions"
+TOOL = {"type": "function", "function": {"name": "f"}}
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
 CASES = [
@@ -142,6 +143,20 @@ CASES = [
     (CHAT, {"messages": M, "tools": [{"type": "function", "function": {"name": 5}}]}, "tools"),
     (CHAT, {"messages": M, "tool_choice": "sometimes"}, "tool_choice"),
     (CHAT, {"messages": [{"role": "assistant", "tool_calls": [{"function": 3}]}]}, "messages"),
+    (COMPLETIONS, {"prompt": "hi", "stop": [str(i) for i in range(17)]}, "stop"),
+    (CHAT, {"messages": M, "stop": "x" * 1025}, "stop"),
+    (RESPONSES, {"input": "hi", "stop": ["a", "x" * 1025]}, "stop"),
+    (COMPLETIONS, {"prompt": "hi", "stop_token_ids": list(range(1025))}, "stop_token_ids"),
+    (CHAT, {"messages": M, "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias"),
+    (CHAT, {"messages": M, "tools": [TOOL] * 129}, "tools"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "function", "name": "f"}] * 129}, "tools"),
+    ("/tokenize", {"messages": M, "tools": [TOOL] * 129}, "tools"),
+    (CHAT, {"messages": M * 4097}, "messages"),
+    ("/tokenize", {"messages": M * 4097}, "messages"),
+    (RESPONSES, {"input": M * 4097}, "input"),
+    (RESPONSES, {"input": "hi", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
+    (RESPONSES, {"input": "hi", "include": ["message.output_text.logprobs"] * 17}, "include"),
+    ("/detokenize", {"tokens": [1] * ((1 << 20) + 1)}, "tokens"),
 ]  # fmt: skip
 
 
@@ -173,6 +188,11 @@ def test_limits_at_their_bound_are_served(server):
                      "repetition_penalty": 1.1, "stop": ["x"]}),
         (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "best_of": 1, "presence_penalty": 2,
                        "frequency_penalty": -2, "logit_bias": {"5": -100}}),
+        (COMPLETIONS, {"prompt": "hi", "max_tokens": 2, "stop": ["x" * 1024] * 16,
+                       "stop_token_ids": [7] * 1024, "logit_bias": {str(i): 0 for i in range(500)}}),
+        (CHAT, {"messages": M * 2, "max_tokens": 2, "tools": [TOOL] * 128, "tool_choice": "none"}),
+        (RESPONSES, {"input": "hi", "max_output_tokens": 2,
+                     "metadata": {str(i): "v" for i in range(16)}}),
     ]:  # fmt: skip
         status, out = raw(server, path, {"model": server.model, **body})
         assert status == 200, (path, body, out)
@@ -263,6 +283,38 @@ def test_schema_bounds():
         validation.check_schema("[" * 100000, "s")
     refs = {"$defs": {"n": nested_schema(9)}, "$ref": "#/$defs/n"}
     validation.check_schema(refs, "s")  # a definition starts at the first level again
+
+
+def test_list_bounds_at_and_past_them():
+    from pydantic import ValidationError
+
+    from compile_runtime.server import protocol as p
+
+    def body(cls, **fields):
+        base = {"prompt": "a"} if cls is p.CompletionRequest else {"messages": M}
+        return cls(**(base | fields))
+
+    at = validation.MAX_LOGIT_BIAS
+    for cls, field, value, past in [
+        (p.CompletionRequest, "stop", ["x" * validation.MAX_STOP_CHARS] * 16, ["x"] * 17),
+        (p.ChatCompletionRequest, "stop", "x" * 1024, "x" * 1025),
+        (p.CompletionRequest, "stop_token_ids", [1] * 1024, [1] * 1025),
+        (p.ChatCompletionRequest, "logit_bias", {str(i): 1 for i in range(at)},
+         {str(i): 1 for i in range(at + 1)}),
+        (p.ChatCompletionRequest, "tools", [TOOL] * validation.MAX_TOOLS, [TOOL] * 129),
+        (p.TokenizeRequest, "tools", [TOOL] * 128, [TOOL] * 129),
+        (p.ChatCompletionRequest, "messages", M * validation.MAX_MESSAGES, M * 4097),
+    ]:  # fmt: skip
+        body(cls, **{field: value})
+        with pytest.raises(ValidationError, match="this server takes at most"):
+            body(cls, **{field: past})
+    p.ResponsesRequest(input=M * 4096, metadata={str(i): 1 for i in range(16)}, include=["a"] * 16)
+    for fields in ({"input": M * 4097}, {"metadata": {str(i): 1 for i in range(17)}},
+                   {"include": ["a"] * 17}):  # fmt: skip
+        with pytest.raises(ValidationError, match="this server takes at most"):
+            p.ResponsesRequest(**({"input": "a"} | fields))
+    with pytest.raises(ValidationError, match="this server takes at most"):
+        p.DetokenizeRequest(tokens=[1] * (validation.MAX_DETOKENIZE_TOKENS + 1))
 
 
 def test_unencodable_text_is_found_anywhere():

@@ -65,6 +65,24 @@ class SamplingExtras(OpenAIModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v: str | list[str] | None) -> str | list[str] | None:
+        validation.check_stop(v)
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_token_ids(cls, v: list[int] | None) -> list[int] | None:
+        validation.check_count(v, validation.MAX_STOP_TOKEN_IDS, "stop token ids")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        validation.check_count(v, validation.MAX_LOGIT_BIAS, "logit_bias entries")
+        return v
+
     @field_validator("structured_outputs")
     @classmethod
     def _structured(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -195,6 +213,12 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields, RequestBody):
             validation.check_tools(v)
         return v
 
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage]) -> list[ChatMessage]:
+        validation.check_count(v, validation.MAX_MESSAGES, "messages")
+        return v
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -236,6 +260,13 @@ class ResponsesRequest(SamplingExtras, RequestBody):
             validation.check_tools(v, responses=True)
         return v
 
+    @field_validator("input")
+    @classmethod
+    def _input(cls, v: str | list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+        if isinstance(v, list):
+            validation.check_count(v, validation.MAX_MESSAGES, "input items")
+        return v
+
     @field_validator("tool_choice")
     @classmethod
     def _tool_choice(cls, v: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
@@ -253,6 +284,18 @@ class ResponsesRequest(SamplingExtras, RequestBody):
     reasoning: dict[str, Any] | None = None  # no reasoning models here: taken, unused
     include: list[str] | None = None
 
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        validation.check_count(v, validation.MAX_METADATA, "metadata pairs")
+        return v
+
+    @field_validator("include")
+    @classmethod
+    def _include(cls, v: list[str] | None) -> list[str] | None:
+        validation.check_count(v, validation.MAX_INCLUDE, "include values")
+        return v
+
 
 class TokenizeRequest(ChatTemplateFields, RequestBody):
     """vLLM's ``/tokenize``: a ``prompt``, or chat ``messages`` through the template."""
@@ -265,10 +308,29 @@ class TokenizeRequest(ChatTemplateFields, RequestBody):
     add_special_tokens: bool | None = None  # None: True for a prompt, False for messages
     return_token_strs: bool | None = False
 
+    @field_validator("messages")
+    @classmethod
+    def _messages(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        validation.check_count(v, validation.MAX_MESSAGES, "messages")
+        return v
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        if v is not None:
+            validation.check_tools(v)
+        return v
+
 
 class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, v: list[int]) -> list[int]:
+        validation.check_count(v, validation.MAX_DETOKENIZE_TOKENS, "tokens")
+        return v
 
 
 class LoadLoRAAdapterRequest(RequestBody):

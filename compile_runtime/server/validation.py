@@ -10,7 +10,13 @@ The bounds (OpenAI's for schemas):
   object properties in all and ``MAX_SCHEMA_ENUM_VALUES`` enum values in all;
 * ``guided_choice`` / ``structured_outputs.choice``: at most ``MAX_CHOICES`` strings of
   ``MAX_CHOICE_CHARS`` characters in all;
-* a regex or an EBNF grammar: at most ``MAX_PATTERN_CHARS`` characters.
+* a regex or an EBNF grammar: at most ``MAX_PATTERN_CHARS`` characters;
+* the lists and maps of a request: ``stop`` at most ``MAX_STOP_STRINGS`` strings of
+  ``MAX_STOP_CHARS`` characters each, ``stop_token_ids`` ``MAX_STOP_TOKEN_IDS`` ids,
+  ``logit_bias`` ``MAX_LOGIT_BIAS`` entries, ``tools`` ``MAX_TOOLS`` (OpenAI's bound),
+  ``messages`` / ``input`` ``MAX_MESSAGES`` items, ``metadata`` ``MAX_METADATA`` pairs
+  (OpenAI's bound), ``include`` ``MAX_INCLUDE`` values and ``/detokenize``'s ``tokens``
+  ``MAX_DETOKENIZE_TOKENS`` ids.
 
 Each failure is a ``ValueError`` (pydantic makes it a 400 naming the field), except
 unencodable text, an ``APIError`` naming where it is.
@@ -30,6 +36,15 @@ MAX_CHOICES = 1000
 MAX_CHOICE_CHARS = 64 * 1024
 MAX_PATTERN_CHARS = 16 * 1024
 MAX_JSON_DEPTH = 64  # any JSON value inside a schema (defaults, consts, examples)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 1024
+MAX_TOOLS = 128
+MAX_MESSAGES = 4096
+MAX_METADATA = 16
+MAX_INCLUDE = 16
+MAX_DETOKENIZE_TOKENS = 1 << 20
 
 # The keywords whose value is a schema, a list of schemas, or a dict of schemas.
 _ONE = ("items", "additionalProperties", "not", "if", "then", "else", "contains",
@@ -147,6 +162,24 @@ def check_schema(schema: Any, what: str = "the schema") -> None:
                 stack.extend((s, start + 1) for s in sub.values())
 
 
+def check_count(items: Any, limit: int, what: str) -> None:
+    """At most ``limit`` items (``what``: their name, plural) in a list or a map."""
+    if items is not None and len(items) > limit:
+        raise ValueError(f"{len(items)} {what}; this server takes at most {limit}")
+
+
+def check_stop(stop: str | list[str] | None) -> None:
+    """``stop``: at most ``MAX_STOP_STRINGS`` strings of ``MAX_STOP_CHARS`` characters."""
+    strings = [stop] if isinstance(stop, str) else stop or []
+    check_count(strings, MAX_STOP_STRINGS, "stop strings")
+    longest = max((len(s) for s in strings), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ValueError(
+            f"a stop string of {longest} characters; this server takes at most "
+            f"{MAX_STOP_CHARS} characters in each"
+        )
+
+
 def check_choices(choices: list[str], what: str) -> None:
     if len(choices) > MAX_CHOICES or sum(len(c) for c in choices) > MAX_CHOICE_CHARS:
         where = f"{what}: " if what else ""
@@ -205,7 +238,9 @@ def check_response_format(value: dict[str, Any], what: str, flat: bool = False) 
 
 def check_tools(tools: list[dict[str, Any]], responses: bool = False) -> None:
     """Function tools: ``{"type": "function", "function": {"name", "description",
-    "parameters"}}`` (Responses: the function's fields on the tool itself)."""
+    "parameters"}}`` (Responses: the function's fields on the tool itself), at most
+    ``MAX_TOOLS`` of them."""
+    check_count(tools, MAX_TOOLS, "tools")
     for i, tool in enumerate(tools):
         if tool.get("type", "function") != "function":
             continue  # refused where it is used, naming the type
