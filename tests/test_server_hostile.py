@@ -472,5 +472,14 @@ def test_a_trusted_request_template_renders_and_its_loop_is_stopped(model_dirs, 
         assert get(running.url + "/health")[0] == 200
         status, out = raw(running, CHAT, {**body, "max_tokens": 2})
         assert status == 200, out
+        # A grammar slower to compile than the bound: a 400, its process killed.
+        wide = {f"p{i}": {"type": "string"} for i in range(validation.MAX_SCHEMA_PROPERTIES)}
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": {
+            "type": "object", "properties": wide}}}  # fmt: skip
+        error = assert_400(raw(running, CHAT, {**body, "response_format": fmt}), "response_format")
+        assert "--max-prepare-seconds" in error["message"]
+        fmt["json_schema"]["schema"] = nested_schema(3)
+        status, out = raw(running, CHAT, {**body, "response_format": fmt, "max_tokens": 2})
+        assert status == 200, out
     finally:
         running.stop()

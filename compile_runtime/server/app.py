@@ -71,7 +71,7 @@ def build_app(
     app.add_middleware(
         BodySizeLimit, max_bytes=limits.max_body_bytes, in_flight=limits.max_body_bytes_in_flight
     )
-    server.pool.timeout_s = limits.prepare_seconds
+    server.pool.timeout_s = server.compile_pool.timeout_s = limits.prepare_seconds
     if allowed_origins:  # outside the key check: a browser's preflight carries no key
         app.add_middleware(
             CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],

@@ -21,6 +21,7 @@ from compile_runtime.server.access_log import TokenCounts
 from compile_runtime.server.api_error import APIError
 from compile_runtime.server.choice import Choice
 from compile_runtime.server.engine_inputs import check_length
+from compile_runtime.server.grammar_process import GrammarProcesses, tokenizer_info_json
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
 from compile_runtime.server.response_store import ResponseStore
@@ -51,6 +52,7 @@ class Server:
         self.trust_request_chat_template = trust_request_chat_template
         self.pool = WorkerPool()
         self.compile_pool = WorkerPool(workers=2)  # output constraints' grammars
+        self.grammars: GrammarProcesses | None = None  # each compiled in a child first
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name
         self.model_path = model_path or model_name
@@ -90,17 +92,23 @@ class Server:
     def stop(self) -> None:
         self.pool.shutdown()
         self.compile_pool.shutdown()
+        if self.grammars is not None:
+            self.grammars.shutdown()
         if self.engine is not None:
             self.engine.shutdown()
         self.llm.shutdown()
 
     async def compile_constraint(self, constraint: Any, param: str | None) -> None:
         """Compile an output constraint's grammar against the tokenizer ahead of the engine
-        (into the cache its own compile then hits), under the pool's time bound: a grammar
-        too slow to compile is this request's 400, never a stall of the scheduler."""
+        (into the cache its own compile then hits): first in a child process killed at the
+        time bound (``grammar_process.py``), so that a grammar too slow to compile is this
+        request's 400 and stops using the CPU, never a stall of the scheduler."""
         manager = getattr(getattr(self.llm.core, "scheduler", None), "structured_outputs", None)
         if constraint is None or manager is None:
             return
+        if self.grammars is None:
+            self.grammars = GrammarProcesses(lambda: tokenizer_info_json(manager))
+        await self.grammars.check(constraint, param, self.pool.timeout_s)
         await self.compile_pool.run(
             manager.compile_ahead, constraint, what="compiling the output constraint",
             param=param,
