@@ -14,9 +14,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
@@ -37,6 +37,7 @@ from compile_runtime.server.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from compile_runtime.server.request_body import body_of
 from compile_runtime.server.request_limits import BodySizeLimit, RequestLimits
 from compile_runtime.server.responses import responses
 from compile_runtime.version import __version__
@@ -117,7 +118,9 @@ def build_app(
         return {"object": "list", "data": server.adapters.cards(card)}
 
     @app.post("/v1/load_lora_adapter")
-    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+    async def load_lora_adapter(
+        body: Annotated[LoadLoRAAdapterRequest, Depends(body_of(LoadLoRAAdapterRequest))],
+    ) -> Response:
         server.adapters.check_updating()
         # Reading an adapter takes a while: in a worker, the adapter names registered at once.
         await server.pool.run(server.adapters.add, body.lora_name, body.lora_path,
@@ -126,24 +129,33 @@ def build_app(
         return Response(message, media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
-    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+    async def unload_lora_adapter(
+        body: Annotated[UnloadLoRAAdapterRequest, Depends(body_of(UnloadLoRAAdapterRequest))],
+    ) -> Response:
         server.adapters.check_updating()
         server.adapters.remove(body.lora_name)
         message = f"Success: LoRA adapter '{body.lora_name}' removed successfully."
         return Response(message, media_type="text/plain")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Any:
+    async def completions(
+        body: Annotated[CompletionRequest, Depends(body_of(CompletionRequest))], request: Request
+    ) -> Any:
         limits.check(body)
         return await text_completions(server, body, request.state.tokens)
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatCompletionRequest, request: Request) -> Any:
+    async def chat(
+        body: Annotated[ChatCompletionRequest, Depends(body_of(ChatCompletionRequest))],
+        request: Request,
+    ) -> Any:
         limits.check(body)
         return await chat_completions(server, body, request.state.tokens)
 
     @app.post("/v1/responses")
-    async def create_response(body: ResponsesRequest, request: Request) -> Any:
+    async def create_response(
+        body: Annotated[ResponsesRequest, Depends(body_of(ResponsesRequest))], request: Request
+    ) -> Any:
         return await responses(server, body, request.state.tokens)
 
     @app.get("/v1/responses/{response_id}")
@@ -156,7 +168,7 @@ def build_app(
         raise APIError(400, "Cannot cancel a synchronous response.", "response_id")
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
+    async def tokenize(body: Annotated[TokenizeRequest, Depends(body_of(TokenizeRequest))]) -> dict:
         tok = server.llm.tokenizer
         return await server.pool.run(
             tokenization.tokenize, body, tok, server.adapters, server.max_model_len,
@@ -165,7 +177,9 @@ def build_app(
         )  # fmt: skip
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> dict:
+    async def detokenize(
+        body: Annotated[DetokenizeRequest, Depends(body_of(DetokenizeRequest))],
+    ) -> dict:
         return await server.pool.run(
             tokenization.detokenize, body, server.llm.tokenizer, server.adapters,
             what="detokenizing", param="tokens",

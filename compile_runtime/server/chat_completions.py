@@ -71,8 +71,9 @@ async def chat(server: Server, body: ChatCompletionRequest, tokens: TokenCounts)
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
     tool_call, forced = _tool_call_constraint(server, body)
     constraint = await server.pool.run(
-        output_constraint, body, what="checking the output constraint", param=None
-    )
+        output_constraint, body, what="checking the output constraint",
+        param=constraint_field(body),
+    )  # fmt: skip
     if tool_call is not None and constraint is not None:
         message = "tool_choice: a forced tool call constrains the output already; drop the other"
         raise APIError(400, message, "tool_choice")

@@ -37,8 +37,9 @@ async def completions(server: Server, body: CompletionRequest, tokens: TokenCoun
     scored = [n for n in (k if body.echo else None, body.prompt_logprobs) if n is not None]
     max_tokens = DEFAULT_COMPLETION_TOKENS if body.max_tokens is None else body.max_tokens
     constraint = await server.pool.run(
-        output_constraint, body, what="checking the output constraint", param=None
-    )
+        output_constraint, body, what="checking the output constraint",
+        param=constraint_field(body),
+    )  # fmt: skip
     await server.compile_constraint(constraint, constraint_field(body))
     params = sampling_params(
         body, max_tokens, "max_tokens", k, "logprobs", max(scored, default=None), constraint

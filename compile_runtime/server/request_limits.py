@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -64,9 +65,17 @@ LARGE_BODY = 1 << 20
 BODY_WAIT_SECONDS = 30.0
 
 
+@functools.cache
+def _libc() -> Any:
+    """The C library, looked up once (``find_library`` runs ``ldconfig``, a process)."""
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return None
+
+
 def _malloc_trim() -> None:
-    with contextlib.suppress(OSError, AttributeError, TypeError):
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    with contextlib.suppress(AttributeError, TypeError):
+        _libc().malloc_trim(0)
 
 
 class ByteBudget:
