@@ -6,7 +6,7 @@ and the flag. A constraint that compiled in time is then compiled in the server'
 process (where the engine finds it in xgrammar's cache), and its digest is remembered
 (the last ``KNOWN`` of them), so that the same constraint again skips the child.
 
-At most ``PROCESSES`` children, each started on first need and kept (it imports xgrammar,
+``PROCESSES`` children, started on the first constraint and kept (each imports xgrammar,
 hence torch: a few seconds) with the tokenizer's vocabulary, at a lower CPU priority
 (``worker_pool.NICENESS``); a killed one is replaced in the background. A request that
 waited for a free child past the bound is a 503 (retry). The children read jobs as JSON
@@ -115,6 +115,7 @@ class GrammarProcesses:
         self._idle: list[Child] = []
         self._freed: asyncio.Condition | None = None
         self._running = 0  # started or starting, idle or busy
+        self._busy = 0  # taken by a request
         self._known: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         self._children: set[Child] = set()  # idle and busy, to kill at shutdown
@@ -131,6 +132,10 @@ class GrammarProcesses:
             if self._info is None:
                 self._info = await asyncio.to_thread(self._tokenizer_info)
             child = await Child.start(self._info)
+        except Exception:
+            self._running -= 1
+            await self._notify()  # whoever waits for it learns it will not come
+            raise
         except BaseException:
             self._running -= 1
             raise
@@ -150,6 +155,7 @@ class GrammarProcesses:
         child.kill()
         self._children.discard(child)
         self._running -= 1
+        self._busy -= 1
         self._reap(child)
 
     def _reap(self, child: Child) -> None:
@@ -159,7 +165,7 @@ class GrammarProcesses:
         task.add_done_callback(self._tasks.discard)
 
     def _replace(self) -> None:
-        """A child was killed: another one starts in the background (kept warm)."""
+        """One more child starts in the background (one was killed, or on first use)."""
         if self._closed:
             return
         self._running += 1
@@ -176,13 +182,26 @@ class GrammarProcesses:
         if self._freed is None:
             self._freed = asyncio.Condition()
         if not self._idle and self._running < self.processes:
+            first = self._running == 0
             self._running += 1
             await asyncio.wait_for(self._spawn(), START_SECONDS)
+            for _ in range(self.processes - self._running if first else 0):
+                self._replace()  # the others start now, warm for the next requests
+        # A child that is starting is the server's to wait for, not the request's: the
+        # request's bound counts only while every child is busy with others.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         async with self._freed:
-            try:
-                await asyncio.wait_for(self._freed.wait_for(lambda: bool(self._idle)), timeout)
-            except TimeoutError:
-                return None
+            while not self._idle:
+                starting = self._running > self._busy
+                left = (START_SECONDS if starting else 0.0) + deadline - loop.time()
+                if left <= 0:
+                    return None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._freed.wait(), left)
+                if self._running == 0:  # every start failed
+                    raise RuntimeError("no grammar process could start")
+            self._busy += 1
             return self._idle.pop()
 
     async def check(self, params: Any, param: str | None, timeout_s: float) -> None:
@@ -229,6 +248,7 @@ class GrammarProcesses:
                     400, f"{where}the output constraint could not be compiled", param
                 ) from None
             raise
+        self._busy -= 1
         self._idle.append(child)
         await self._notify()
         if error is not None:

@@ -25,7 +25,7 @@ from compile_runtime.server.grammar_process import GrammarProcesses, tokenizer_i
 from compile_runtime.server.lora_modules import ServedAdapters
 from compile_runtime.server.metrics import ServerMetrics
 from compile_runtime.server.response_store import ResponseStore
-from compile_runtime.server.worker_pool import WorkerPool
+from compile_runtime.server.worker_pool import NICENESS, WorkerPool
 
 
 class Server:
@@ -51,7 +51,7 @@ class Server:
         self.llm = llm
         self.trust_request_chat_template = trust_request_chat_template
         self.pool = WorkerPool()
-        self.compile_pool = WorkerPool(workers=2)  # output constraints' grammars
+        self.compile_pool = WorkerPool(workers=2, niceness=NICENESS)  # grammars (no GIL)
         self.grammars: GrammarProcesses | None = None  # each compiled in a child first
         self.tool_parser = tool_parsers.tool_call_parser(tool_call_parser)  # "auto" tool calls
         self.model_name = model_name

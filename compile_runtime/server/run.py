@@ -5,11 +5,17 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from compile_runtime.engine.llm import LLM
 from compile_runtime.server.lora_modules import parse_lora_module, runtime_updating_from_env
 
 logger = logging.getLogger(__name__)
+
+
+# How long a thread holding the GIL in Python code keeps it while another waits (Python's
+# default 5 ms): the event loop waits at most this long behind a worker thread.
+SWITCH_INTERVAL_S = 0.001
 
 
 def serve(args: argparse.Namespace, llm: LLM) -> int:
@@ -49,6 +55,7 @@ def serve(args: argparse.Namespace, llm: LLM) -> int:
             args.host, args.port,
         )  # fmt: skip
     app = build_app(server, api_keys=keys, allowed_origins=args.allowed_origins, limits=limits)
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     # After the drain nothing runs; this bounds waiting on clients that keep connections open.
     config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=10

@@ -1,9 +1,11 @@
 """The blocking work of preparing a request, off the event loop: tokenizing, chat templates,
 output-constraint checks, the engine's checks of a call's requests and LoRA adapter
 loading run in a few worker threads (tokenizers and xgrammar release the GIL), each with
-a time bound, so that ``/health`` and the other requests answer while one is slow. The
-threads run at a lower CPU priority (nice ``NICENESS``, where the OS sets it per thread) so
-that a slow job yields the cores to the event loop and the engine.
+a time bound, so that ``/health`` and the other requests answer while one is slow. A pool
+of work that runs without the GIL (compiling grammars) may run at a lower CPU priority
+(``niceness``, where the OS sets it per thread) so that it yields the cores to the event
+loop and the engine; a pool of Python work stays at the loop's priority: a thread that
+holds the GIL and waits for a core would keep the loop waiting too.
 
 A job past its bound is a 400 naming the field that made it slow (the request is answered
 at once); one that waited for a free worker past the bound is a 503 (the server is busy:
@@ -73,16 +75,20 @@ class WorkerPool:
     """``workers`` daemon threads (a job past its bound may run on, but never keeps the
     process from exiting), started on first use."""
 
-    def __init__(self, workers: int = WORKERS, timeout_s: float = PREPARE_SECONDS):
+    def __init__(
+        self, workers: int = WORKERS, timeout_s: float = PREPARE_SECONDS, niceness: int = 0
+    ):
         self.workers = workers
+        self.niceness = niceness
         self.timeout_s = timeout_s
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()
 
     def _work(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)
+        if self.niceness:
+            with contextlib.suppress(AttributeError, OSError):  # Linux: per thread
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.niceness)
         while (job := self._jobs.get()) is not None:
             try:
                 job.run()
