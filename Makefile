@@ -29,7 +29,7 @@ demo: $(MODEL)
 
 test: $(MODEL)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -16,6 +16,7 @@ from compile_runtime.config import CUDAGraphMode
 # What one forward runs in (the others are configurations, resolved into these per batch).
 RUNTIME_MODES = frozenset((CUDAGraphMode.NONE, CUDAGraphMode.PIECEWISE, CUDAGraphMode.FULL))
 
+
 @dataclass(frozen=True)
 class BatchDescriptor:
     """The key of one captured graph: what about a batch fixes its graph.

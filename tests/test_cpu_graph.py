@@ -51,7 +51,8 @@ def _tokens(llm: cr.LLM, prompts, n: int = 12) -> list[list[int]]:
 
 
 def _full_wrapper(llm: cr.LLM) -> CUDAGraphWrapper:
-    forward = llm.executor.driver_runner.cudagraph_plan.forward_model
+    """The FULL graphs of decode batches (they run on through the LM head)."""
+    forward = llm.executor.driver_runner.cudagraph_plan.decode_model
     assert isinstance(forward, CUDAGraphWrapper)
     return forward
 

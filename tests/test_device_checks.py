@@ -56,7 +56,7 @@ def test_the_pattern_finds_device_checks():
     for line in (
         'if device.type == "cpu":',
         "if torch.device(d).type != 'cuda':",
-        'if x.is_cuda:',
+        "if x.is_cuda:",
         "ok = torch.cuda.is_available()",
         'if device == "cuda":',
         'if (args.device or default_device()) == "cpu":',

@@ -244,7 +244,9 @@ def test_readme_links_exist():
 
 
 def test_path_check_catches_a_moved_file():
-    found = repository_paths("see `benchmarks/vs_vllm.py` and `compile_runtime/ops/cpu_linear.py`, `a/b`\n")
+    found = repository_paths(
+        "see `benchmarks/vs_vllm.py` and `compile_runtime/ops/cpu_linear.py`, `a/b`\n"
+    )
     assert found == {"benchmarks/vs_vllm.py", "compile_runtime/ops/cpu_linear.py"}
     assert not (REPO / "compile_runtime/ops/cpu_linear.py").exists()
 

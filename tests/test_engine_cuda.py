@@ -99,7 +99,8 @@ def test_speculative_decode_batches_replay_graphs_and_keep_transformers_tokens(
     prompt = copy_prompt(f)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     with LLM(copier_dir, config, speculative_config=spec, **RUNNER) as llm:
-        forward = llm.runner.cudagraph_plan.forward_model
+        plan = llm.runner.cudagraph_plan
+        forward = plan.decode_model or plan.forward_model  # decode graphs: through the head
         replays = getattr(forward, "num_replays", 0)
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
         uniform_steps = llm.workload.decode[1 + k]

@@ -104,10 +104,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
 
 def test_the_graph_sees_the_package():
     graph = import_graph()
-    assert (
-        "compile_runtime.config" in graph
-        and "compile_runtime.cpu.attention" in graph
-    )
+    assert "compile_runtime.config" in graph and "compile_runtime.cpu.attention" in graph
     assert "compile_runtime.config" in graph["compile_runtime.compiler.decorator"]
 
 
@@ -225,9 +222,7 @@ def two_way_folders(graph: dict[str, set[str]]) -> dict[tuple[str, str], list[st
             if pair[0] != pair[1] and "<top>" not in pair:
                 edges.setdefault(pair, []).append(f"{module} -> {target}")
     return {
-        (a, b): edges[(a, b)][:2] + edges[(b, a)][:2]
-        for a, b in edges
-        if a < b and (b, a) in edges
+        (a, b): edges[(a, b)][:2] + edges[(b, a)][:2] for a, b in edges if a < b and (b, a) in edges
     }
 
 

@@ -18,9 +18,21 @@ pytestmark = pytest.mark.slow
 
 
 def collect_without_the_server_deps() -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])),
+    }
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "optional_deps_blocker", str(TESTS)],
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "optional_deps_blocker",
+            str(TESTS),
+        ],
         capture_output=True,
         text=True,
         env=env,
@@ -33,7 +45,9 @@ def test_every_test_module_collects_or_skips_without_the_server_deps():
     result = collect_without_the_server_deps()
     out = result.stdout + result.stderr
     errors = [line for line in out.splitlines() if line.startswith("ERROR ")]
-    assert result.returncode == 0 and not errors, f"modules that need the server deps:\n{out[-4000:]}"
+    assert result.returncode == 0 and not errors, (
+        f"modules that need the server deps:\n{out[-4000:]}"
+    )
     assert "(blocked)" in out, "the blocker blocked nothing: the check proves nothing"
 
 

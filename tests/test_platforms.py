@@ -47,8 +47,9 @@ def test_a_missing_gpu_is_named_with_the_build():
 
 def test_code_reads_the_platform():
     assert default_backend("cpu") == CPU.distributed_backend
-    assert get_attn_backend(device="cpu", dtype=torch.float32, head_size=64).name == (
-        CPU.attention_backends[0]
+    assert (
+        get_attn_backend(device="cpu", dtype=torch.float32, head_size=64).name
+        == (CPU.attention_backends[0])
     )
     buffers = StepBuffers(8, torch.device("cpu"))
     assert buffers.staging[0] is buffers.input_ids  # no staging copy on a CPU

@@ -276,6 +276,10 @@ def fake_step(n: int) -> StepInputs:
         token_ids=np.arange(100, 100 + n),
         positions=np.arange(n),
         slot_mapping=torch.arange(16, 16 + n),
+        total=n,
+        seq_lens=np.array([n]),
+        block_table=torch.zeros((1, 1), dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
     )
 
 

@@ -423,7 +423,7 @@ def test_one_copying_request_replays_full_graphs_of_1_plus_k_tokens(copier, monk
     with LLM(model_dir, config, speculative_config=spec, max_num_seqs=4, max_model_len=128) as llm:
         plan = llm.runner.cudagraph_plan
         assert plan.cudagraph_mode == CUDAGraphMode.FULL_DECODE_ONLY
-        forward = plan.forward_model
+        forward = plan.decode_model  # the decode graphs run on through the LM head
         assert BatchDescriptor(1 + k, num_reqs=1, uniform=True) in forward.entries
         replays = forward.num_replays
         out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids

@@ -92,20 +92,25 @@ def test_one_generate_walks_few_files_one_way(llm):
     )
 
 
-# One steady batch-1 decode step (sizes captured, the request three decodes in): the files
-# and calls it enters. Here 48 calls in 24 files (step_inputs.py 8 times); on SmolLM2's Q4_1
-# file 97 calls in 27 files (step_inputs.py 18 times) before the step path was trimmed, 44 in
-# 22 after. The goal: at most 15 files, 60 calls, no file entered more than twice. These are
-# ceilings at what is reached now: lower them as the step gets shorter.
-MAX_STEP_FILES = 24
-MAX_STEP_CALLS = 48
-MAX_STEP_PER_FILE = 8
+# One steady batch-1 decode step of the real model (SmolLM2-135M's Q4_1 file, its defaults:
+# bf16 activations, CPU graphs), replayed: at most 15 files, 60 calls, no file entered more
+# than twice. (Before the step path was trimmed: 97 calls in 27 files, one file 18 times.)
+MAX_STEP_FILES = 15
+MAX_STEP_CALLS = 60
+MAX_STEP_PER_FILE = 2
 
 
-def test_one_decode_step_makes_few_calls(llm):
+@pytest.fixture(scope="module")
+def real_llm(gguf_path):
+    llm = LLM(gguf_path, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=256)
+    yield llm
+    llm.shutdown()
+
+
+def test_one_decode_step_makes_few_calls(real_llm):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm.generate([[5, 6, 7]], params, use_tqdm=False)  # compiles and captures
-    core = llm.core
+    real_llm.generate([[5, 6, 7]], params, use_tqdm=False)  # compiles and captures
+    core = real_llm.core
     req = core.make_request([5, 6, 7], params)
     core.check(req)
     core.add([req])
@@ -124,6 +129,9 @@ def test_one_decode_step_makes_few_calls(llm):
     finally:
         sys.setprofile(None)
     assert out.decode_only and [t[0] for t in out.tokens] == [req.req_id]
+    assert real_llm.runner.full_graphs, "the step replayed no FULL graph"
+    (_, gives_logits), *_ = real_llm.runner.full_graphs.values()
+    assert gives_logits, "the decode graph stops before the LM head"
     entered = Counter(path for path, _ in calls)
     listing = "\n".join(f"{n:5d} {path}" for path, n in entered.most_common())
     listing += "\n" + "\n".join(f"{path} {name}" for path, name in calls)
@@ -131,7 +139,7 @@ def test_one_decode_step_makes_few_calls(llm):
     assert len(calls) <= MAX_STEP_CALLS, f"{len(calls)} calls:\n{listing}"
     most = entered.most_common(1)[0][1]
     assert most <= MAX_STEP_PER_FILE, f"a file entered {most} times:\n{listing}"
-    core.abort([req.req_id])  # the module's llm runs the next test with nothing left over
+    core.abort([req.req_id])
 
 
 def test_the_lm_heads_resolved_kernel_notices_a_weight_written_in_place():

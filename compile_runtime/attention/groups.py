@@ -1,4 +1,4 @@
-"""Which attention layers share a step's metadata, and that metadata for every layer.
+"""Which attention layers share a step's metadata (``metadata.build_metadata`` builds it).
 
 Layers share one builder when they have the same backend and the backend plans the
 same into it (FlashInfer plans per window and soft cap, so Gemma 2's alternating
@@ -9,7 +9,7 @@ otherwise each layer gets its group's, by name.
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,17 +34,3 @@ def metadata_groups(
             groups[key] = (builder, [])
         groups[key][1].append(layer.layer_name)
     return list(groups.values())
-
-
-def build_metadata(groups: MetadataGroups, *args: Any, **kwargs: Any) -> Any:
-    """The step's attention metadata: one object, or one per layer name when groups differ.
-
-    The arguments are ``AttentionMetadataBuilder.build``'s.
-    """
-    if len(groups) == 1:
-        return groups[0][0].build(*args, **kwargs)
-    by_layer = {}
-    for builder, names in groups:
-        metadata = builder.build(*args, **kwargs)
-        by_layer.update(dict.fromkeys(names, metadata))
-    return by_layer

@@ -24,10 +24,10 @@ building the next one (the runner does, one step at a time).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from compile_runtime.attention.kv_cache import PADDING_SLOT
@@ -137,17 +137,51 @@ class AttentionMetadataBuilder:
             padded = num_reqs
             if for_cudagraph:
                 padded = max(num_reqs, min(num_padded_tokens, self.max_num_reqs))
-        query_lens, max_seq_len = self._validate(
-            query_start_loc_cpu, seq_lens_cpu, block_table, num_actual_tokens, padded
-        )
+        # Inconsistent step data raises (checked here, not in a helper: this runs every step).
+        if query_start_loc_cpu.device.type != "cpu" or seq_lens_cpu.device.type != "cpu":
+            raise MetadataError("query_start_loc_cpu and seq_lens_cpu must be host (CPU) tensors")
+        if query_start_loc_cpu.shape != (num_reqs + 1,):
+            raise MetadataError(
+                f"query_start_loc_cpu has shape {tuple(query_start_loc_cpu.shape)}; expected "
+                f"({num_reqs + 1},) for {num_reqs} requests"
+            )
+        # numpy views: these checks run every step, and numpy's per-call cost on a
+        # handful of numbers is a fraction of torch's.
+        qsl, lens = query_start_loc_cpu.numpy(), seq_lens_cpu.numpy()
+        if qsl[-1] != num_actual_tokens or qsl[0] != 0:
+            raise MetadataError(
+                f"query_start_loc_cpu must run from 0 to num_actual_tokens={num_actual_tokens}, "
+                f"got {qsl.tolist()}"
+            )
+        if not num_reqs <= padded <= self.max_num_reqs:
+            raise MetadataError(
+                f"need num_reqs ({num_reqs}) <= num_reqs_padded ({padded}) <= "
+                f"max_num_reqs ({self.max_num_reqs}); build the builder with a larger max_num_reqs"
+            )
+        if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
+            raise MetadataError(
+                f"block_table has shape {tuple(block_table.shape)}; expected "
+                f"[>= {num_reqs}, max_blocks_per_req]"
+            )
+        query_lens, max_seq_len = qsl[1:] - qsl[:-1], 0
+        if num_reqs:
+            if (query_lens > lens).any() or (query_lens < 0).any():
+                raise MetadataError(
+                    "every request needs 0 <= query_len <= seq_len; query lens "
+                    f"{query_lens.tolist()}, seq lens {lens.tolist()}"
+                )
+            max_seq_len = int(lens.max())
+            max_blocks = -(-max_seq_len // self.block_size)
+            if max_blocks > block_table.shape[1]:
+                raise MetadataError(
+                    f"a request of {max_seq_len} tokens needs {max_blocks} blocks of "
+                    f"{self.block_size}; block_table has {block_table.shape[1]} columns"
+                )
 
-        # numpy views for the host writes: a step's handful of numbers, where numpy's
-        # per-call cost is a fraction of torch's.
-        qsl_np, lens_np = query_start_loc_cpu.numpy(), seq_lens_cpu.numpy()
         staged_qsl, staged_lens = self._query_start_loc_cpu.numpy(), self._seq_lens_cpu.numpy()
-        staged_qsl[: num_reqs + 1] = qsl_np
+        staged_qsl[: num_reqs + 1] = qsl
         staged_qsl[num_reqs + 1 : padded + 1] = num_actual_tokens
-        staged_lens[:num_reqs] = lens_np
+        staged_lens[:num_reqs] = lens
         staged_lens[num_reqs:padded] = 0
         query_start_loc = self._query_start_loc[: padded + 1]
         seq_lens = self._seq_lens[:padded]
@@ -194,53 +228,14 @@ class AttentionMetadataBuilder:
     ) -> None:
         """Backend hook: prepare ``metadata.backend_state``."""
 
-    def _validate(
-        self,
-        query_start_loc_cpu: torch.Tensor,
-        seq_lens_cpu: torch.Tensor,
-        block_table: torch.Tensor,
-        num_actual_tokens: int,
-        num_reqs_padded: int,
-    ) -> tuple[np.ndarray, int]:
-        """Raise on inconsistent step data; else the query lengths and the longest sequence."""
-        num_reqs = seq_lens_cpu.shape[0]
-        if query_start_loc_cpu.device.type != "cpu" or seq_lens_cpu.device.type != "cpu":
-            raise MetadataError("query_start_loc_cpu and seq_lens_cpu must be host (CPU) tensors")
-        if query_start_loc_cpu.shape != (num_reqs + 1,):
-            raise MetadataError(
-                f"query_start_loc_cpu has shape {tuple(query_start_loc_cpu.shape)}; expected "
-                f"({num_reqs + 1},) for {num_reqs} requests"
-            )
-        # numpy views: these checks run every step, and numpy's per-call cost on a
-        # handful of numbers is a fraction of torch's.
-        qsl, seq_lens = query_start_loc_cpu.numpy(), seq_lens_cpu.numpy()
-        if qsl[-1] != num_actual_tokens or qsl[0] != 0:
-            raise MetadataError(
-                f"query_start_loc_cpu must run from 0 to num_actual_tokens={num_actual_tokens}, "
-                f"got {qsl.tolist()}"
-            )
-        if not num_reqs <= num_reqs_padded <= self.max_num_reqs:
-            raise MetadataError(
-                f"need num_reqs ({num_reqs}) <= num_reqs_padded ({num_reqs_padded}) <= "
-                f"max_num_reqs ({self.max_num_reqs}); build the builder with a larger max_num_reqs"
-            )
-        if block_table.dim() != 2 or block_table.shape[0] < num_reqs:
-            raise MetadataError(
-                f"block_table has shape {tuple(block_table.shape)}; expected "
-                f"[>= {num_reqs}, max_blocks_per_req]"
-            )
-        query_lens, max_seq_len = qsl[1:] - qsl[:-1], 0
-        if num_reqs:
-            if (query_lens > seq_lens).any() or (query_lens < 0).any():
-                raise MetadataError(
-                    "every request needs 0 <= query_len <= seq_len; query lens "
-                    f"{query_lens.tolist()}, seq lens {seq_lens.tolist()}"
-                )
-            max_seq_len = int(seq_lens.max())
-            max_blocks = -(-max_seq_len // self.block_size)
-            if max_blocks > block_table.shape[1]:
-                raise MetadataError(
-                    f"a request of {max_seq_len} tokens needs {max_blocks} blocks of "
-                    f"{self.block_size}; block_table has {block_table.shape[1]} columns"
-                )
-        return query_lens, max_seq_len
+
+def build_metadata(groups: Sequence[tuple[AttentionMetadataBuilder, list[str]]], *args, **kwargs):
+    """The step's attention metadata for every group of layers (``groups.py``): one object,
+    or one per layer name when groups differ. The arguments are ``build``'s."""
+    if len(groups) == 1:
+        return groups[0][0].build(*args, **kwargs)
+    by_layer = {}
+    for builder, names in groups:
+        metadata = builder.build(*args, **kwargs)
+        by_layer.update(dict.fromkeys(names, metadata))
+    return by_layer

@@ -173,4 +173,3 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"compile-runtime: error: {format_error(e)}", file=sys.stderr)
         return 2
-

@@ -230,6 +230,7 @@ class Scheduler:
                 out.scheduled_cached_reqs.new_token_ids.append(new_tokens)
             req.num_tokens_on_workers, req.in_flight = num_tokens, self.pipelined
             out.num_scheduled_tokens[req.req_id] = num_new
+            out.num_computed_tokens[req.req_id] = req.num_computed_tokens
             # Drafts that did not fit the budget wait for the next proposal.
             num_drafts = num_new - (num_tokens - req.num_computed_tokens)
             if num_drafts > 0:
@@ -298,6 +299,7 @@ class Scheduler:
             out.scheduled_new_reqs.append(NewRequestData.of(req))
             req.num_tokens_on_workers, req.in_flight = req.num_tokens, self.pipelined
             out.num_scheduled_tokens[req.req_id] = num_new
+            out.num_computed_tokens[req.req_id] = req.num_computed_tokens
             budget -= num_new
         if grammars is not None:
             out.grammar_bitmask = grammars.bitmasks(out, self.requests)

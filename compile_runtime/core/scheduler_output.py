@@ -67,6 +67,9 @@ class SchedulerOutput:
     scheduled_cached_reqs: CachedRequestData = field(default_factory=CachedRequestData)
     # req_id -> tokens to compute this step (prefill chunk, or 1 + drafts for a decode).
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    # req_id -> tokens it had computed before this step. The scheduler keeps the only count
+    # (rejected drafts and preemptions included); the runner keeps none.
+    num_computed_tokens: dict[str, int] = field(default_factory=dict)
     # req_id -> draft tokens to verify after its last token (speculative decoding).
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     # Requests that ended or were preempted since the last step: drop their state.
@@ -85,15 +88,6 @@ class SchedulerOutput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return sum(self.num_scheduled_tokens.values())
-
-    def num_computed_tokens(self) -> dict[str, int]:
-        """Tokens each scheduled request had computed before this step. The scheduler keeps
-        the only count (rejected drafts and preemptions included); the runner keeps none."""
-        cached = self.scheduled_cached_reqs
-        counts = dict(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
-        for new in self.scheduled_new_reqs:  # a loop, not a comprehension: no frame per step
-            counts.setdefault(new.req_id, new.num_computed_tokens)
-        return counts
 
 
 @dataclass

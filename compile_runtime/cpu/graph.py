@@ -20,8 +20,9 @@ that size then runs unreplayed, never a silent wrong answer):
   their bodies under the same mode, so their inner ops are checked too; oneDNN's packed
   linear (float linears above the GEMV's rows) and plain matmuls become a C callback into
   torch whose result is copied where the capture's was; so is tensor parallelism's in-place
-  all-reduce and its wait (every rank replays its collectives in its capture's order); any
-  other op that computes (a copy, ``.item()``) refuses.
+  all-reduce and its wait (every rank replays its collectives in its capture's order), and
+  a dtype conversion that copies (a quantized LM head widening bf16 activations); any
+  other op that computes (an add, ``.item()``) refuses.
 
 Memory: every tensor a recorded call touches, and every tensor made while capturing, is
 kept by the graph, so replays write where the capture wrote and nothing else can be given
@@ -272,8 +273,10 @@ class _RecordingMode(TorchDispatchMode):
             out = self.recorder.made(func(*args, **kwargs))
         elif name in NO_COMPUTE:
             out = func(*args, **kwargs)
-        elif name in MAYBE_NO_COMPUTE and (out := func(*args, **kwargs)) is args[0]:
-            pass  # asked of a tensor that already is what was asked for: itself, no copy
+        elif name in MAYBE_NO_COMPUTE:
+            out = func(*args, **kwargs)
+            if out is not args[0]:  # a copy (a dtype widened): the replay calls it back
+                self.recorder.call_back(func, args, kwargs, out)
         elif name in CALLED_BACK:
             out = func(*args, **kwargs)
             self.recorder.call_back(func, args, kwargs, out)

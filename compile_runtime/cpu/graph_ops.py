@@ -57,5 +57,6 @@ CALLED_BACK = frozenset(
         "_c10d_functional::wait_tensor",
     }
 )
-# Ops that return their input itself when it already has the dtype or layout asked for.
+# Ops that return their input itself when it already has the dtype or layout asked for; when
+# they copy (a quantized LM head widens 16-bit activations to float32), they are called back.
 MAYBE_NO_COMPUTE = frozenset({"aten::to", "aten::contiguous"})

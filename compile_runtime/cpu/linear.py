@@ -146,7 +146,8 @@ def float_linear(
 def cpu_linear_impl(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    if weight.dtype == torch.uint8:  # quantized (compile_runtime/cpu/quant_formats.py): no packed copy
+    # Quantized (compile_runtime/cpu/quant_formats.py): no packed copy.
+    if weight.dtype == torch.uint8:
         return quant_linear(x, weight, bias)
     return float_linear(x, weight, lookup(weight), bias)  # the kernel for the rows
 

@@ -22,8 +22,6 @@ class UniProcExecutor(Executor):
         self.config = config
         self.worker = Worker(config, rank=0, world_size=1, init_method=None)
         self.workers_info = [self.worker.start()]
-
-        self._output: ModelRunnerOutput | None = None
         self._shut_down = False
 
     @property
@@ -33,11 +31,11 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> None:
         if self._shut_down:
             raise ExecutorError("the executor is shut down (after shutdown()); start a new LLM")
-        self._output = self.worker.step(scheduler_output)
+        # The runner itself, as the worker's step would call it: one rank, which samples.
+        self.worker.runner.execute_model(scheduler_output)
 
     def sample_tokens(self) -> ModelRunnerOutput:
-        output, self._output = self._output, None
-        return output
+        return self.worker.runner.sample_tokens()
 
     def collective_rpc(
         self, method: str, args: Sequence[Any] = (), ranks: Sequence[int] | None = None

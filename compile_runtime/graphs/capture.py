@@ -98,6 +98,7 @@ def capture(
     *,
     progress: bool = True,
     graph_pool: Any = None,
+    forward_for: Callable[[CUDAGraphMode, BatchDescriptor], Callable[..., Any]] | None = None,
 ) -> CaptureReport:
     """Capture every ``(mode, descriptor)`` of ``dispatcher.capture_descriptors()``.
 
@@ -107,7 +108,9 @@ def capture(
     for a graph is needed only under FULL (under PIECEWISE attention runs
     between the graphs, and a backend may refuse graph metadata for a batch
     that is not a uniform decode).
-    ``model`` is what serving calls: the FULL wrapper when FULL graphs are on.
+    ``model`` is what serving calls: the FULL wrapper when FULL graphs are on;
+    ``forward_for(mode, descriptor)``, when given, names what each graph's steps call
+    instead (the runner's decode graphs run on through the LM head).
     ``graph_pool``: the CPU graphs' pool (``cpu_graph.CPUGraphPool``) when they are CPU
     graphs; they are then captured dry (``cpu_graph.dry_captures``: recorded, not run).
     A descriptor whose capture is refused (``GraphCaptureUnsupported``) is taken out of the
@@ -121,6 +124,7 @@ def capture(
     # CUDA graphs on a CUDA device (not a test double on a CPU); CPU graphs never start CUDA.
     cuda = graph_pool is None and CUDA.available()
 
+    pool_before = graph_pool.nbytes if graph_pool is not None else 0
     # Trace, compile and warm up outside any graph, at the largest size.
     largest_mode, largest = max(descriptors, key=lambda md: md[1].num_tokens)
     inputs = _as_inputs(make_inputs(largest, largest_mode))
@@ -151,7 +155,8 @@ def capture(
                 disable=not progress,
             ):
                 try:
-                    _capture_one(model, make_inputs, mode, descriptor, report, cuda)
+                    forward = forward_for(mode, descriptor) if forward_for else model
+                    _capture_one(forward, make_inputs, mode, descriptor, report, cuda)
                 except GraphCaptureUnsupported as e:
                     seen = str(e) in report.failed.values()  # one warning per reason
                     report.failed[f"{mode.name} {descriptor}"] = str(e)
@@ -168,8 +173,8 @@ def capture(
     if cuda:
         torch.cuda.synchronize()
         report.memory_bytes = free_before - torch.cuda.mem_get_info()[0]
-    elif graph_pool is not None:
-        report.memory_bytes = graph_pool.nbytes
+    elif graph_pool is not None:  # the pool is the process's: another engine's graphs too
+        report.memory_bytes = graph_pool.nbytes - pool_before
     logger.info(report.summary())
     return report
 

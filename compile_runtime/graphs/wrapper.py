@@ -240,12 +240,25 @@ class CUDAGraphWrapper:
         if context is None or context.cudagraph_runtime_mode != self.runtime_mode:
             return self.runnable(*args, **kwargs)
         descriptor = context.batch_descriptor
-        entry = self.entries.get(descriptor)  # type: ignore[arg-type]
-        if entry is None:
+        if descriptor not in self.entries:
             return self._capture(descriptor, args, kwargs)
+        return self.replay(descriptor, args, kwargs)  # type: ignore[arg-type]
+
+    def replay(
+        self,
+        descriptor: BatchDescriptor,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """The outputs of ``descriptor``'s graph replayed on ``args``, or None when it has
+        none captured. No forward context is needed: no Python runs inside a replay (the
+        runner's captured steps call this directly)."""
+        entry = self.entries.get(descriptor)
+        if entry is None:
+            return None
         captured = entry.input_addresses
-        if captured is not None and self._addresses(args, kwargs) != captured:
-            self._check_addresses(descriptor, captured, args, kwargs)  # names the one that moved
+        if captured is not None and self._addresses(args, kwargs or {}) != captured:
+            self._check_addresses(descriptor, captured, args, kwargs or {})  # names the one moved
         entry.graph.replay()
         self.num_replays += 1
         return entry.outputs

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compile_runtime.attention.groups import MetadataGroups, build_metadata
+from compile_runtime.attention.groups import MetadataGroups
+from compile_runtime.attention.metadata import build_metadata
 from compile_runtime.config import CUDAGraphMode, RunnerConfig
 from compile_runtime.forward_context import BatchDescriptor
 from compile_runtime.graphs.capture import CaptureInputs

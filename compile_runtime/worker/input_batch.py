@@ -7,7 +7,7 @@ rebuild of whole-batch state.
 
 The block table (``BlockTable``): which KV cache blocks each request row owns, a persistent
 host array ``[max_num_reqs, max_blocks_per_req]`` edited in place as requests come, grow and
-go; each step gathers the rows of the scheduled requests into a (pinned) staging tensor. The
+go; each step's rows are gathered, in the step's order, into its (pinned) staging tensor. The
 device copy belongs to the attention metadata builder, which keeps it at a fixed address for
 CUDA graphs.
 """
@@ -153,7 +153,8 @@ class BlockTable:
         self.max_blocks_per_req = max_blocks_per_req
         self.table = np.zeros((max_num_reqs, max_blocks_per_req), dtype=np.int32)
         self.num_blocks = np.zeros(max_num_reqs, dtype=np.int32)
-        self._staging = torch.zeros(
+        # Each step's rows, gathered by flatten_step (step_inputs.py); pinned on CUDA.
+        self.staging = torch.zeros(
             (max_num_reqs, max_blocks_per_req),
             dtype=torch.int32,
             pin_memory=platform_for(device).pins_staging,
@@ -178,9 +179,3 @@ class BlockTable:
 
     def clear_row(self, row: int) -> None:
         self.num_blocks[row] = 0
-
-    def gather(self, rows: np.ndarray) -> torch.Tensor:
-        """This step's block table on the host: the given rows, in order."""
-        staging = self._staging[: len(rows)]
-        staging.numpy()[:] = self.table[rows]
-        return staging

@@ -12,10 +12,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from compile_runtime.attention.groups import MetadataGroups, build_metadata
+from compile_runtime.attention.groups import MetadataGroups
+from compile_runtime.attention.metadata import build_metadata
 from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 from compile_runtime.lora.manager import LoRAManager
-from compile_runtime.worker.input_batch import BlockTable
 from compile_runtime.worker.step_inputs import StepBuffers, StepInputs, query_start_loc
 
 
@@ -36,7 +36,6 @@ def run_microbatches(
     *,
     model: Callable[..., torch.Tensor],
     buffers: StepBuffers,
-    block_table: BlockTable,
     groups: MetadataGroups,
     lora: LoRAManager | None,
 ) -> torch.Tensor:
@@ -53,7 +52,7 @@ def run_microbatches(
             groups,
             query_start_loc(cu[lo:hi] - t0),
             torch.from_numpy(step.seq_lens[lo:hi].astype(np.int32)),
-            block_table.gather(step.rows[lo:hi]),
+            step.block_table[lo:hi],
             buffers.slot_mapping[t0:t1],
             t1 - t0,
             num_padded_tokens=t1 - t0,

@@ -1,9 +1,12 @@
 """The model runner: one step of the scheduler's plan through the compiled model.
 
 ``execute_model`` applies the scheduler's differences to the persistent batch, lays the
-step's tokens out flat in persistent buffers (step_inputs.py), asks the dispatcher for the
-runtime mode and padded size, builds attention metadata once (attention/groups.py), runs
-the forward inside a forward context, then computes the logits the step needs in one call.
+step's tokens out flat (step_inputs.py), asks the dispatcher for the runtime mode and
+padded size, loads the tokens into persistent buffers and builds the attention metadata
+once, runs the forward inside a forward context, then computes the logits the step needs
+in one call. A step whose FULL graph is captured replays it directly, with no forward
+context; a decode graph runs on through the LM head (cudagraph_plan.py), so its replay
+gives the logits.
 ``sample_tokens`` samples (or verifies drafts) and, with speculative decoding, proposes the
 next drafts (sampling_step.py); between the two calls the state is one ``ExecuteModelState``.
 Start-up is ``__init__`` (threads, weights, buffers) then ``initialize``: the first forward,
@@ -25,10 +28,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
-from compile_runtime.attention.groups import build_metadata, metadata_groups
+from compile_runtime.attention.groups import metadata_groups
 from compile_runtime.attention.layer import attention_layers
 from compile_runtime.compiler.decorator import backend_seconds, set_graph_factory
 from compile_runtime.config import CompilationConfig, CUDAGraphMode, RunnerConfig
@@ -44,7 +46,7 @@ from compile_runtime.distributed import (
     sampling_rank,
 )
 from compile_runtime.distributed.pipeline import PipelineStage
-from compile_runtime.forward_context import set_forward_context
+from compile_runtime.forward_context import BatchDescriptor, set_forward_context
 from compile_runtime.graphs.capture import CaptureReport, LazyCapture, capture
 from compile_runtime.graphs.dispatcher import CudagraphDispatcher
 from compile_runtime.graphs.wrapper import CUDAGraphWrapper, GraphFactory
@@ -54,7 +56,11 @@ from compile_runtime.models.registry import load_model
 from compile_runtime.planner.workload import Workload
 from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.capture_inputs import capture_inputs
-from compile_runtime.worker.cudagraph_plan import CudaGraphPlan, plan_cudagraphs
+from compile_runtime.worker.cudagraph_plan import (
+    CudaGraphPlan,
+    logits_fit_in_graph,
+    plan_cudagraphs,
+)
 from compile_runtime.worker.input_batch import InputBatch
 from compile_runtime.worker.microbatch import microbatch_split, run_microbatches
 from compile_runtime.worker.ngram_proposer import NgramProposer
@@ -72,11 +78,9 @@ from compile_runtime.worker.startup import (
 from compile_runtime.worker.step_inputs import (
     StepBuffers,
     StepInputs,
-    check_token_ids,
     flatten_step,
     hidden_rows,
     logits_rows,
-    query_start_loc,
 )
 
 
@@ -184,6 +188,9 @@ class ModelRunner:
         self.capture_report: CaptureReport | None = None
         self.lazy_capture: LazyCapture | None = None  # CPU graphs captured on first use
         self.unreplayed: Counter[str] = Counter()  # steps without a graph, by reason
+        # (mode, descriptor) -> (its FULL wrapper, whether it gives logits): graphs captured,
+        # which execute_model replays with no forward context and no call but the replay.
+        self.full_graphs: dict[tuple, tuple[CUDAGraphWrapper, bool]] = {}
         self.vocab_size = getattr(self.model.config, "vocab_size", None)
 
     def initialize(self) -> None:
@@ -220,6 +227,9 @@ class ModelRunner:
             device=self.device,
             graph_factory=self.graph_factory,
             lora=self.lora is not None,
+            logits_in_graph=logits_fit_in_graph(
+                self.model, single_rank=self.tp_size == 1 and self.stage is None
+            ),
         )
         self.num_blocks = allocate_kv_cache_for(
             self.config, self.layers, self.dtype, self.device, self._allocated_at_start, times
@@ -245,6 +255,7 @@ class ModelRunner:
                     ),
                     self.dispatcher,
                     graph_pool=pool,
+                    forward_for=lambda mode, descriptor: plan.forward_for(mode, descriptor)[0],
                 )
             times.graphs = time.perf_counter() - start
         if self.capture_report is not None:
@@ -256,9 +267,9 @@ class ModelRunner:
             layer.kv_cache = None
         self.num_blocks = 0
         self.execute_state = None
-        forward = self.cudagraph_plan and self.cudagraph_plan.forward_model
-        if isinstance(forward, CUDAGraphWrapper):
-            forward.entries.clear()
+        self.full_graphs.clear()
+        for wrapper in self.cudagraph_plan.wrappers() if self.cudagraph_plan else ():
+            wrapper.entries.clear()
         self.platform.release_cached_memory()
 
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
@@ -279,7 +290,7 @@ class ModelRunner:
                 f"{self.max_num_tokens}"
             )
         batch = self.input_batch
-        step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens())
+        step = flatten_step(batch, so.num_scheduled_tokens, so.num_computed_tokens, self.vocab_size)
         # Data-parallel lockstep: a decode graph only if every engine's step is a decode.
         # is_uniform_decode and workload.record, inlined: two calls less on every step.
         num_scheduled = step.num_scheduled
@@ -288,88 +299,121 @@ class ModelRunner:
         )
         uniform_decode = uniform_decode and so.dp_uniform_decode is not False
         (self.workload.decode if uniform_decode else self.workload.mixed)[total] += 1
-        check_token_ids(step.token_ids, self.vocab_size)
         loras = [batch.requests[r].lora_request for r in step.req_ids] if self.lora else []
         split = None  # micro-batches: the engines' decision in lockstep, else this engine's
         if so.dp_microbatch or (so.dp_microbatch is None and self.config.enable_microbatching):
             split = microbatch_split(step, self.config.microbatching_token_threshold)
         if self.stage is not None:
             receive_stage_input(self.stage, self.buffers, total)
+        target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
+        out = dispatched = None
+        if split is None and self.lora is None:  # a FULL graph captured already: replay it
+            dispatched = mode, descriptor = self.dispatcher.dispatch(target, uniform_decode)
+            replayed = self.full_graphs.get(dispatched)
+            if replayed is not None:
+                forward, gives_logits = replayed
+                args, _ = self.buffers.load(
+                    step, descriptor.num_tokens, self.metadata_groups, for_cudagraph=True
+                )
+                out, unreplayed = forward.replay(descriptor, args), None
         if split is not None:
             self.buffers.load(step, total)
-            hidden = run_microbatches(
+            out = run_microbatches(
                 step,
                 split,
                 loras,
                 model=self.cudagraph_plan.bare_model,
                 buffers=self.buffers,
-                block_table=self.input_batch.block_table,
                 groups=self.metadata_groups,
                 lora=self.lora,
             )
-            mode, unreplayed = CUDAGraphMode.NONE, "micro-batched"
+            gives_logits, mode, unreplayed = False, CUDAGraphMode.NONE, "micro-batched"
             self.unreplayed[unreplayed] += 1
-        else:
-            target = max(total, so.dp_num_tokens or 0)  # lockstep: every engine pads alike
-            hidden, mode, unreplayed = self._run_step(step, target, uniform_decode, loras)
+        elif out is None:
+            out, gives_logits, mode, unreplayed = self._run_step(
+                step, target, uniform_decode, loras, dispatched
+            )
         if self.stage is not None:
-            send_stage_output(self.stage, hidden, total)
-        rows = logits_rows(step, batch, so.scheduled_spec_decode_tokens)
-        # One logits call (a collective under TP) for sampling and prompt rows alike.
-        logits = self.model.compute_logits(hidden_rows(hidden, rows.indices))
+            send_stage_output(self.stage, out, total)
+        spec = so.scheduled_spec_decode_tokens
         prompt = {}
-        if rows.prompt_spans and logits is not None:
-            prompt = prompt_logprobs(batch, rows.prompt_spans, logits[rows.num_sampling_rows :])
-            logits = logits[: rows.num_sampling_rows]
+        if (
+            gives_logits
+            and step.samples_every_request
+            and not spec
+            and not batch.prompt_logprob_req_ids
+        ):
+            # The decode graph's logits: row i is request i's next token.
+            logits, sampling_req_ids, drafts = out[:total], step.req_ids, None
+        else:
+            rows = logits_rows(step, batch, spec)
+            selected = hidden_rows(out, rows.indices)
+            # One logits call (a collective under TP) for sampling and prompt rows alike.
+            logits = selected if gives_logits else self.model.compute_logits(selected)
+            if rows.prompt_spans and logits is not None:
+                spans = rows.prompt_spans
+                prompt = prompt_logprobs(batch, spans, logits[rows.num_sampling_rows :])
+                logits = logits[: rows.num_sampling_rows]
+            sampling_req_ids, drafts = rows.sampling_req_ids, rows.drafts
         self.execute_state = ExecuteModelState(
             req_ids=step.req_ids,
             logits=logits,
-            sampling_req_ids=rows.sampling_req_ids,
+            sampling_req_ids=sampling_req_ids,
             runtime_mode=mode.name,
             unreplayed_reason=unreplayed,
-            drafts=rows.drafts,
+            drafts=drafts,
             prompt_logprobs=prompt,
             grammar_bitmask=so.grammar_bitmask,
         )
 
-    def _run_step(self, step: StepInputs, target: int, uniform_decode: bool, loras: list) -> tuple:
-        """The step's forward in one piece, padded to at least ``target`` tokens: hidden
-        states, runtime mode, why no graph ran."""
-        total = step.total
+    def _run_step(
+        self,
+        step: StepInputs,
+        target: int,
+        uniform_decode: bool,
+        loras: list,
+        dispatched: tuple[CUDAGraphMode, BatchDescriptor] | None = None,
+    ) -> tuple:
+        """The step's forward in one piece, padded to at least ``target`` tokens: its output,
+        whether that is logits (else hidden states), the runtime mode, why no graph ran.
+        ``dispatched``: the dispatcher's answer for the step, when asked already (no LoRA). A
+        FULL graph it finds captured is kept for ``execute_model`` to replay directly."""
         has_lora = False
         if self.lora is not None:
             padded_size = self.dispatcher.padded_size(target, uniform_decode) or target
             has_lora = self.lora.prepare_step(loras, step.num_scheduled, max(padded_size, target))
-        mode, descriptor = self.dispatcher.dispatch(target, uniform_decode, has_lora=has_lora)
+        if dispatched is None:
+            dispatched = self.dispatcher.dispatch(target, uniform_decode, has_lora=has_lora)
+        mode, descriptor = dispatched
         unreplayed = None
         if mode == CUDAGraphMode.NONE and self.dispatcher.mode != CUDAGraphMode.NONE:
             unreplayed = self.dispatcher.unreplayed_reason(target)
             self.unreplayed[unreplayed] += 1
         padded = descriptor.num_tokens
-        self.buffers.load(step, padded)
+        plan = self.cudagraph_plan
+        gives_logits = False
 
         def run(mode: CUDAGraphMode) -> torch.Tensor:
-            metadata = build_metadata(
-                self.metadata_groups,
-                query_start_loc(step.cu_num_scheduled),
-                torch.from_numpy(step.seq_lens.astype(np.int32)),
-                self.input_batch.block_table.gather(step.rows),
-                self.buffers.slot_mapping[:padded],
-                total,
-                num_padded_tokens=padded,
-                for_cudagraph=mode == CUDAGraphMode.FULL,
+            nonlocal gives_logits
+            forward, gives_logits = plan.forward_for(mode, descriptor)
+            args, metadata = self.buffers.load(
+                step, padded, self.metadata_groups, for_cudagraph=mode == CUDAGraphMode.FULL
             )
             with set_forward_context(
                 metadata, cudagraph_runtime_mode=mode, batch_descriptor=descriptor
             ):
-                plan = self.cudagraph_plan
-                forward = plan.forward_model if mode == CUDAGraphMode.FULL else plan.bare_model
-                return forward(*self.buffers.forward_args(padded))
+                return forward(*args)
 
         lazy = self.lazy_capture  # once captured, a size's steps replay without a call here
         if lazy is None or mode == CUDAGraphMode.NONE or (mode, descriptor) in lazy.captured:
-            return run(mode), mode, unreplayed
-        return lazy.run(mode, descriptor, run, self.unreplayed, unreplayed)
+            out = run(mode)
+        else:
+            out, mode, unreplayed = lazy.run(mode, descriptor, run, self.unreplayed, unreplayed)
+        if mode == CUDAGraphMode.FULL and not has_lora:
+            forward, _ = plan.forward_for(mode, descriptor)
+            if descriptor in forward.entries:
+                self.full_graphs[(mode, descriptor)] = (forward, gives_logits)
+        return out, gives_logits, mode, unreplayed
 
     @torch.inference_mode()
     def sample_tokens(self) -> ModelRunnerOutput:

@@ -29,15 +29,13 @@ def sample(
     """Per request its tokens and their logprobs (None where not asked for).
 
     Without drafts one token each; with drafts the rejection sampler verifies them.
+    (``sample_on_every_rank`` takes plain greedy batches without drafts itself.)
     """
     plain = True  # loops, not generators: each generator or comprehension is a frame
     for s in states:
         if not s.plain_argmax:
             plain = False
             break
-    if drafts is None and plain:
-        # Nothing changes the logits: skip building the batch's sampling tensors.
-        return greedy_tokens(logits).reshape(-1, 1).tolist(), [None] * len(states)
     metadata = None
     if not plain:
         # One sampling row per logits row: a draft position sees the drafts before it as
@@ -84,7 +82,15 @@ def sample_on_every_rank(
             starts = np.cumsum([0, *widths[:-1]]).tolist()
             row_of = dict(zip([s.req_id for s in states], starts, strict=True))
             apply_grammar_bitmask(logits, row_of, grammar_bitmask)
-        tokens, logprobs = sample(sampler, logits, states, drafts)
+        plain = drafts is None
+        for s in states:  # a loop, not a generator: each generator is a frame
+            if not s.plain_argmax:
+                plain = False
+                break
+        if plain:  # nothing changes the logits: no sampling tensors built
+            tokens = greedy_tokens(logits).reshape(-1, 1).tolist()
+        else:
+            tokens, logprobs = sample(sampler, logits, states, drafts)
     if broadcast:
         width = 1 + max((len(d) for d in drafts or []), default=0)
         sent = tokens if logits is not None else None

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from compile_runtime.attention.groups import MetadataGroups, build_metadata
+from compile_runtime.attention.groups import MetadataGroups
 from compile_runtime.attention.kv_cache import (
     PADDING_SLOT,
     allocate_kv_cache,
@@ -36,6 +36,7 @@ from compile_runtime.attention.kv_cache import (
     kv_cache_bytes_per_block,
     kv_cache_shape,
 )
+from compile_runtime.attention.metadata import build_metadata
 from compile_runtime.compiler.decorator import load_saved_program
 from compile_runtime.config import RunnerConfig
 from compile_runtime.platforms.select import platform_for

@@ -12,21 +12,24 @@ Host to device. On CUDA the step's ids, positions and slots are written into pin
 host staging buffers (allocated once, ``staging_buffer``) and copied with
 ``non_blocking=True``: a copy from pageable memory goes through the driver's own
 staging and blocks the host until it is done. The block table and the metadata
-builders stage theirs in pinned buffers too. ``StepBuffers.forward_args``, the last
-thing the runner calls before the forward, records an event after all of the step's
-copies; the next ``load`` waits for it before any staging buffer is written again
-(a step that samples nothing does not wait for the device otherwise). On a CPU the
+builders stage theirs in pinned buffers too. ``StepBuffers.load`` copies the step in,
+builds its metadata and records an event after all of the step's copies (so does
+``forward_args``, for callers that build metadata themselves); the next ``load`` waits
+for it before any staging buffer is written again (a step that samples nothing does not
+wait for the device otherwise). On a CPU the
 staging buffers are the step buffers themselves: no pinning, no second copy.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
+from compile_runtime.attention.groups import MetadataGroups
+from compile_runtime.attention.metadata import build_metadata
 from compile_runtime.platforms.select import platform_for
 from compile_runtime.worker.input_batch import InputBatch
 
@@ -41,15 +44,14 @@ class StepInputs:
     token_ids: np.ndarray  # [total] the step's tokens
     positions: np.ndarray  # [total]
     slot_mapping: torch.Tensor  # [total] the KV cache slot each token writes
-    # Worked out once (fields, not properties: a step reads them several times).
-    total: int = -1  # the step's tokens; -1: from cu_num_scheduled
-    seq_lens: np.ndarray | None = None  # tokens each request attends to: computed + this step's
-
-    def __post_init__(self) -> None:
-        if self.total < 0:
-            self.total = int(self.cu_num_scheduled[-1]) if len(self.req_ids) else 0
-        if self.seq_lens is None:
-            self.seq_lens = self.num_computed + self.num_scheduled
+    total: int  # the step's tokens
+    seq_lens: np.ndarray  # tokens each request attends to: computed + this step's
+    # [num_reqs, max_blocks_per_req] host int32: the requests' rows of the block table, in
+    # order (a view of the batch's staging, rewritten next step).
+    block_table: torch.Tensor
+    query_start_loc: torch.Tensor  # host int32 [0, *cu_num_scheduled], as builders take it
+    # Every request's known sequence is computed by this step: each samples at its last row.
+    samples_every_request: bool = True
 
 
 def pins_staging(device: torch.device | str) -> bool:
@@ -108,12 +110,22 @@ class StepBuffers:
             args += (self.hidden_states[start:num_tokens],)
         return args
 
-    def load(self, step: StepInputs, num_padded: int) -> None:
-        """Copy the step in; padded tokens are id 0 at position 0 (the metadata builder sets
-        their slots to the null slot)."""
+    def load(
+        self,
+        step: StepInputs,
+        num_padded: int,
+        groups: MetadataGroups = (),
+        *,
+        for_cudagraph: bool = False,
+    ) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """Copy the step in, padded tokens id 0 at position 0; build its attention metadata
+        for ``groups`` (whose builders give padded tokens the null slot; None without
+        groups). The forward's arguments for ``num_padded`` tokens and the metadata: one call
+        where a step would make three (this, the metadata, ``forward_args``)."""
         total = step.total
-        if self._copied is not None:
-            self._copied.synchronize()  # the last step's copies have read every staging buffer
+        copied = self._copied
+        if copied is not None:
+            copied.synchronize()  # the last step's copies have read every staging buffer
         ids, positions, slots = self.staging
         ids[:total].copy_(torch.from_numpy(step.token_ids))
         positions[:total].copy_(torch.from_numpy(step.positions))
@@ -124,6 +136,24 @@ class StepBuffers:
         if num_padded > total:
             self.input_ids[total:num_padded].zero_()
             self.positions[total:num_padded].zero_()
+        metadata = None
+        if groups:
+            metadata = build_metadata(
+                groups,
+                step.query_start_loc,
+                torch.from_numpy(step.seq_lens.astype(np.int32)),
+                step.block_table,
+                self.slot_mapping[:num_padded],
+                total,
+                num_padded_tokens=num_padded,
+                for_cudagraph=for_cudagraph,
+            )
+        if copied is not None:  # forward_args' mark, after every copy of the step
+            copied.record(torch.cuda.current_stream(self.device))
+        args = (self.input_ids[:num_padded], self.positions[:num_padded])
+        if self.hidden_states is not None:
+            args += (self.hidden_states[:num_padded],)
+        return args, metadata
 
 
 def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
@@ -133,18 +163,31 @@ def query_start_loc(cu_query_lens: np.ndarray) -> torch.Tensor:
     return torch.from_numpy(qsl)
 
 
+class TokenIdError(ValueError):
+    """A step's token id lies outside the vocabulary."""
+
+
 def flatten_step(
-    batch: InputBatch, num_scheduled_tokens: dict[str, int], num_computed_tokens: dict[str, int]
+    batch: InputBatch,
+    num_scheduled_tokens: dict[str, int],
+    num_computed_tokens: dict[str, int],
+    vocab_size: int | None = None,
 ) -> StepInputs:
     """The step's tokens in the scheduler's request order: each request computes its
-    ``num_scheduled_tokens`` from position ``num_computed_tokens`` on (the scheduler's count)."""
+    ``num_scheduled_tokens`` from position ``num_computed_tokens`` on (the scheduler's count).
+    Ids outside a ``vocab_size`` vocabulary raise ``TokenIdError`` before any forward: a
+    kernel reading the embedding table (a replayed one above all) would read outside it."""
     req_ids = list(num_scheduled_tokens)
     n = len(req_ids)
     # map and fromiter run in C: no generator frames on every step.
     num_scheduled = np.fromiter(num_scheduled_tokens.values(), dtype=np.int64, count=n)
     num_computed = np.fromiter(map(num_computed_tokens.__getitem__, req_ids), np.int64, n)
-    rows = batch.rows(req_ids)
-    cu = np.cumsum(num_scheduled)
+    rows = np.empty(n, dtype=np.int64)
+    requests = batch.requests
+    for i, req_id in enumerate(req_ids):  # a loop: a generator's frames cost calls per step
+        rows[i] = requests[req_id].row
+    qsl = np.zeros(n + 1, dtype=np.int64)
+    cu = np.cumsum(num_scheduled, out=qsl[1:])
     if (num_scheduled == 1).all():  # decodes: token i is request i's, no expansion
         positions, token_rows = num_computed, rows
     else:
@@ -154,38 +197,36 @@ def flatten_step(
         token_rows = rows[req_index]
     # block_table[row, p // bs] * bs + p % bs (compute_slot_mapping's formula) in numpy,
     # whose per-call cost on a step's few numbers is a fraction of torch's.
-    block_size = batch.block_table.block_size
-    blocks = batch.block_table.table[token_rows, positions // block_size].astype(np.int64)
+    table = batch.block_table
+    block_size = table.block_size
+    blocks = table.table[token_rows, positions // block_size].astype(np.int64)
     slots = blocks * block_size + positions % block_size
+    token_ids = batch.token_ids[token_rows, positions]
+    if vocab_size is not None and n:
+        low, high = int(token_ids.min()), int(token_ids.max())
+        if low < 0 or high >= vocab_size:
+            raise TokenIdError(
+                f"token id {low if low < 0 else high} is outside the vocabulary of "
+                f"{vocab_size}; check the prompt's token ids"
+            )
+    step_table = table.staging[:n]
+    step_table.numpy()[:] = table.table[rows]
+    seq_lens = num_computed + num_scheduled
     return StepInputs(
         req_ids=req_ids,
         rows=rows,
         num_scheduled=num_scheduled,
         num_computed=num_computed,
         cu_num_scheduled=cu,
-        token_ids=batch.token_ids[token_rows, positions],
+        token_ids=token_ids,
         positions=positions,
         slot_mapping=torch.from_numpy(slots),
         total=int(cu[-1]) if n else 0,
-        seq_lens=num_computed + num_scheduled,
+        seq_lens=seq_lens,
+        block_table=step_table,
+        query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+        samples_every_request=bool((seq_lens >= batch.num_tokens[rows]).all()),
     )
-
-
-class TokenIdError(ValueError):
-    """A step's token id lies outside the vocabulary."""
-
-
-def check_token_ids(token_ids: np.ndarray, vocab_size: int | None) -> None:
-    """Ids outside the vocabulary are an error before the forward: a kernel reading the
-    embedding table (a replayed one above all) would read outside it."""
-    if vocab_size is None or not token_ids.size:
-        return
-    low, high = int(token_ids.min()), int(token_ids.max())
-    if low < 0 or high >= vocab_size:
-        raise TokenIdError(
-            f"token id {low if low < 0 else high} is outside the vocabulary of {vocab_size}; "
-            "check the prompt's token ids"
-        )
 
 
 class PromptSpan(NamedTuple):
@@ -212,11 +253,11 @@ def logits_rows(
     step: StepInputs, batch: InputBatch, spec_tokens: dict[str, list[int]]
 ) -> LogitsRows:
     """The rows to take logits at (``spec_tokens``: each request's drafts this step)."""
-    done = step.seq_lens >= batch.num_tokens[step.rows]
     spans = prompt_logprob_spans(step, batch) if batch.prompt_logprob_req_ids else []
-    if not spec_tokens and not spans and done.all():  # each request's last row, no more
+    if not spec_tokens and not spans and step.samples_every_request:  # each one's last row
         num = len(step.req_ids)
         return LogitsRows(step.cu_num_scheduled - 1, list(step.req_ids), None, num, [])
+    done = step.seq_lens >= batch.num_tokens[step.rows]
     sampling_idx = np.nonzero(done)[0]
     sampling_req_ids = [step.req_ids[i] for i in sampling_idx]
     drafts = None
