@@ -3,6 +3,11 @@ attention metadata (and adapter map), one after the other without graphs.
 
 The design's micro-batching overlaps one half's communication with the other's compute
 on a GPU; on a CPU it is correctness only: the sliced step gives the same tokens.
+
+Both halves build their metadata into the same pinned staging buffers (the builders' and
+the LoRA map's), copied to the device without blocking: before the second half writes
+them, the host waits for the event ``forward_args`` recorded after the first half's copies
+(``StepBuffers._copied``; None on a CPU, where nothing is staged).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ def run_microbatches(
     parts = []
     for lo, hi in ((0, split), (split, len(step.req_ids))):
         t0, t1 = (int(cu[lo - 1]) if lo else 0), int(cu[hi - 1])
+        if lo and buffers._copied is not None:
+            buffers._copied.synchronize()  # the first half's copies have read the staging
         has_lora = False
         if lora is not None:
             has_lora = lora.prepare_step(loras[lo:hi], step.num_scheduled[lo:hi], t1 - t0)
