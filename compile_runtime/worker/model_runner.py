@@ -262,14 +262,27 @@ class ModelRunner:
             times.graph_sizes = self.capture_report.sizes_line()
 
     def release(self) -> None:
-        """Give back the KV cache and the FULL graphs (``LLM.shutdown``); the runner cannot step after."""
+        """Give back the KV cache and every graph, FULL and PIECEWISE (``LLM.shutdown``): the
+        graphs' memory goes with them (their pool, CUDA's or the CPU graphs', keeps nothing
+        alive). The runner cannot step after."""
+        import gc
+
+        from compile_runtime.compiler.decorator import compiled_model
+
         for layer in self.layers:
             layer.kv_cache = None
         self.num_blocks = 0
         self.execute_state = None
         self.full_graphs.clear()
-        for wrapper in self.cudagraph_plan.wrappers() if self.cudagraph_plan else ():
+        wrappers = list(self.cudagraph_plan.wrappers() if self.cudagraph_plan else ())
+        for module in self.model.modules():  # the piecewise graphs: one wrapper per piece
+            compiled = compiled_model(module)
+            if compiled is not None:
+                values = compiled.split_gm.__dict__.values()
+                wrappers += [v for v in values if isinstance(v, CUDAGraphWrapper)]
+        for wrapper in wrappers:
             wrapper.entries.clear()
+        gc.collect()  # the graphs' kept tensors may sit in reference cycles
         self.platform.release_cached_memory()
 
     @torch.inference_mode()  # as start-up: buffers made there are inference tensors
