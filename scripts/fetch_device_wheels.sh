@@ -41,7 +41,7 @@ case "${1:-}" in
 esac
 PY=${PYTHON:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
-DEST=.whl
+DEST=${WHEELS_DIR:-.whl} # what the device call carries (another folder: tests only)
 LIMIT=$((64 * 1024 * 1024)) # what one device call carries: tracked files + carried folders
 # pydantic and what it needs; typing-extensions too (pydantic 2.14 needs >= 4.16).
 PACKAGES="pydantic pydantic-core annotated-types typing-inspection typing-extensions"

@@ -1,225 +1,146 @@
-"""scripts/gpu_check.sh: its usage errors, its answer without CUDA, the CPU smoke of parts a and
-b (``GPU_CHECK_DEVICE=cpu``: every step, tiny settings; 60-90 s each on a 2-core machine) with
-the device's missing test dependencies simulated (the modules that skip are listed), a step
-without time, and a pytest step cut at its limit that still prints its summary."""
+"""The GPU check's plumbing on a CPU: scripts/gpu_check.sh's one-call plan, its steps
+reporting, and scripts/fetch_device_wheels.sh's dry run and size check (no network)."""
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-MAX_FILES = 8  # what one device call brings back from $OUT
-# Missing on the GPU machine (nothing of ours is installed there): the modules asking for them
-# with pytest.importorskip must skip. hypothesis is there (and its pytest plugin with it).
-MISSING_THERE = ("openai", "jsonschema")
-BLOCKER = """\
-import importlib.machinery
-import os
-
-BLOCKED = set(os.environ["GPU_CHECK_TEST_BLOCKED"].split())
-_find_spec = importlib.machinery.PathFinder.find_spec.__func__
-
-
-def find_spec(cls, fullname, path=None, target=None):
-    if fullname.split(".")[0] in BLOCKED:
-        return None  # not found: ModuleNotFoundError, as where it is not installed
-    return _find_spec(cls, fullname, path, target)
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = [
+    "pytest_a",
+    "gpu_decode",
+    "flashinfer",
+    "pytest_b",
+    "gpu_decode_hf",
+    "attention",
+    "passes",
+    "padding",
+]
+CALL_LIMIT = 600  # seconds one device call may run
 
 
-importlib.machinery.PathFinder.find_spec = classmethod(find_spec)
-"""
-
-
-@pytest.fixture
-def run_check(tmp_path, session_cache_dir):
-    """``run_check(*argv, **env)``: the script with its results and scratch in ``tmp_path``, and
-    the session's temporary compile cache (conftest): the CPU attention kernel another test
-    compiled is not compiled again."""
-
-    def run(*argv: str, **env: str) -> subprocess.CompletedProcess:
-        base = {k: v for k, v in os.environ.items() if k != "OUT" and not k.startswith("GPU_")}
-        base |= {
-            "OUT": str(tmp_path / "out"),
-            "GPU_CHECK_WORK": str(tmp_path / "work"),
-            "COMPILE_RUNTIME_CACHE_DIR": session_cache_dir,
-            "PYTHON": sys.executable,
-            # One thread: a smoke test, and no OpenMP stalls when other processes keep the
-            # cores busy (conftest pins the count to all cores otherwise).
-            "OMP_NUM_THREADS": "1",
-        }
-        return subprocess.run(
-            ["bash", str(SCRIPT), *argv],
-            cwd=ROOT,
-            env=base | env,
-            capture_output=True,
-            text=True,
-            timeout=900,  # a hang guard, not a speed check
-        )
-
-    return run
-
-
-@pytest.fixture
-def as_on_the_device(tmp_path) -> dict[str, str]:
-    """Environment in which ``MISSING_THERE`` cannot be imported (a sitecustomize first on
-    PYTHONPATH), as on the GPU machine."""
-    site = tmp_path / "blocker"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(BLOCKER)
-    path = os.pathsep.join(p for p in (str(site), os.environ.get("PYTHONPATH")) if p)
-    return {"PYTHONPATH": path, "GPU_CHECK_TEST_BLOCKED": " ".join(MISSING_THERE)}
-
-
-def out_files(tmp_path: Path) -> list[str]:
-    out = tmp_path / "out"
-    return sorted(p.name for p in out.rglob("*") if p.is_file()) if out.exists() else []
-
-
-def explain(result: subprocess.CompletedProcess) -> str:
-    return f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
-
-
-def assert_skips_listed(stdout: str) -> None:
-    """The listing step names the modules that skip and why."""
-    assert "optional test dependencies: " in stdout
-    assert "openai NO" in stdout and "jsonschema NO" in stdout and "hypothesis yes" in stdout
-    assert "skips: tests/test_server.py (missing openai)" in stdout
-    assert "skips: tests/test_server_api.py (missing openai)" in stdout  # through serving.py
-    assert "skips: tests/test_server_structured.py (missing jsonschema)" in stdout
-    assert "skips: tests/test_structured_outputs.py (missing jsonschema)" in stdout
-    assert "test modules skip here" in stdout
-
-
-@pytest.mark.parametrize("argv", [(), ("c",), ("a", "b")])
-def test_a_missing_or_unknown_part_prints_usage_and_exits_2(run_check, tmp_path, argv):
-    result = run_check(*argv)
-    assert result.returncode == 2, explain(result)
-    assert "usage: bash scripts/gpu_check.sh a|b" in result.stderr
-    assert out_files(tmp_path) == []
-
-
-def test_an_unknown_step_is_a_usage_error(run_check, tmp_path):
-    result = run_check("a", GPU_CHECK_DEVICE="cpu", GPU_CHECK_STEPS="pytest_a padding")
-    assert result.returncode == 2, explain(result)
-    assert "part a has no step padding" in result.stderr
-    assert out_files(tmp_path) == []
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
-def test_without_cuda_it_says_so_and_exits_1(run_check, tmp_path):
-    result = run_check("a")
-    assert result.returncode == 1, explain(result)
-    assert "CUDA is not available" in result.stderr
-    assert "GPU_CHECK_DEVICE=cpu" in result.stderr
-    assert out_files(tmp_path) == []
-
-
-@pytest.mark.slow
-def test_a_step_without_time_is_not_started_and_the_part_fails(run_check, tmp_path):
-    result = run_check(
-        "b", GPU_CHECK_DEVICE="cpu", GPU_CHECK_BUDGET="20", GPU_CHECK_STEPS="padding"
+def run_check(tmp_path: Path, part: str = "all", **env: str) -> subprocess.CompletedProcess:
+    environ = {
+        **os.environ,
+        "GPU_CHECK_DEVICE": "cpu",
+        "OUT": str(tmp_path / "out"),
+        "GPU_CHECK_WORK": str(tmp_path / "work"),
+        "PYTHON": sys.executable,
+        **env,
+    }
+    environ.pop("COMPILE_RUNTIME_DEVICE", None)
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", part],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
-    assert result.returncode == 1, explain(result)
-    assert "padding: NOT STARTED" in result.stdout
-    assert "pytest_b: not run (GPU_CHECK_STEPS)" in result.stdout
-    # The plan's shares scale with the budget: padding's 60 of 280 s is 4 of 20.
-    assert "4. padding           4s" in result.stdout
-    assert out_files(tmp_path) == []
+
+
+def plan_shares(stdout: str) -> dict[str, int]:
+    """The plan the script printed first: each step's share in seconds, setup's too."""
+    shares = {}
+    for line in stdout.splitlines():
+        m = re.match(r"^(?:\d+\.|  ) ([a-z_]+)\s+~?(\d+)s  ", line)
+        if m:
+            shares[m.group(1)] = int(m.group(2))
+        if line.startswith("== dependencies"):
+            break
+    return shares
+
+
+def summary(stdout: str) -> dict[str, str]:
+    lines = stdout.split("== summary:", 1)[1].splitlines()[1:]
+    return dict(line.split(": ", 1) for line in lines if re.match(r"^[a-z_]+: ", line))
 
 
 @pytest.mark.slow
-def test_a_pytest_step_cut_at_its_limit_still_prints_its_summary(run_check, tmp_path):
-    tests = tmp_path / "cut"
-    tests.mkdir()
-    (tests / "test_cut.py").write_text(
-        "import time\n\n\ndef test_quick():\n    pass\n\n\n"
-        "def test_sleeps():\n    time.sleep(600)\n\n\ndef test_never_reached():\n    pass\n"
+def test_all_in_one_call_on_a_cpu(tmp_path):
+    """The plan fits one call; the steps run in its order, each reports, exit status 0."""
+    selected = ["pytest_a", "flashinfer", "gpu_decode_hf"]
+    done = run_check(
+        tmp_path,
+        GPU_CHECK_STEPS=" ".join(selected),
+        GPU_CHECK_PYTEST="-m cuda tests/test_cudagraph_cuda.py",
     )
-    result = run_check(
-        "a",
-        GPU_CHECK_DEVICE="cpu",
-        GPU_CHECK_STEPS="pytest_a",
-        GPU_CHECK_PYTEST=str(tests / "test_cut.py"),
-        GPU_CHECK_BUDGET="60",
-        GPU_CHECK_MIN_STEP="5",
+    out = done.stdout
+    assert done.returncode == 0, out[-3000:] + done.stderr[-2000:]
+    shares = plan_shares(out)
+    assert list(shares) == ["setup", *STEPS]  # most important first
+    assert sum(shares.values()) <= CALL_LIMIT - 20
+    assert "one device call runs at most 600s: fits" in out
+    for name in STEPS:  # every step in its plan order, each with its time limit printed
+        if name in selected:
+            assert re.search(rf"^== {name} \(at most \d+s; \d+s kept", out, re.M), name
+    reports = summary(out)
+    assert list(reports) == STEPS
+    for name in STEPS:
+        expected = "ok (" if name in selected else "not run (GPU_CHECK_STEPS)"
+        assert reports[name].startswith(expected), (name, reports[name])
+    # FlashInfer's step on a CPU: the plan of the JIT build, the CPU's backends standing in.
+    assert "FlashInfer JIT: decode + prefill, head dim 64" in out
+    assert "| eager/cpu_batched |" in out and "= eager/torch_native" in out
+    assert "hf_reduce_overhead | torch.compile backend=eager" in out
+    files = sorted(p.name for p in (tmp_path / "out").iterdir())
+    assert files == ["check.log", "flashinfer_decode.json", "gpu_decode_hf.json"]
+    assert len(files) <= 8  # what one call brings back
+
+
+def test_a_build_over_its_bound_skips_flashinfer(tmp_path):
+    """A JIT build that does not fit its bound: the step says so, and is skipped, not failed."""
+    done = run_check(tmp_path, GPU_CHECK_STEPS="flashinfer", GPU_CHECK_FLASHINFER_BUILD="0")
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "did not finish in" in done.stdout
+    assert summary(done.stdout)["flashinfer"].startswith("SKIPPED (JIT build over 1s")
+
+
+def test_usage_errors(tmp_path):
+    assert run_check(tmp_path, part="c").returncode == 2
+    done = run_check(tmp_path, part="a", GPU_CHECK_STEPS="flashinfer")
+    assert done.returncode == 2 and "part a has no step flashinfer" in done.stderr
+
+
+def fetch(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "scripts/fetch_device_wheels.sh", *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
-    assert result.returncode == 1, explain(result)
-    assert "pytest_a: TIMED OUT" in result.stdout, explain(result)
-    assert "KeyboardInterrupt" in result.stdout  # pytest's own report of where it stopped
-    assert "test_cut.py:9: KeyboardInterrupt" in result.stdout
-    summary = result.stdout.split("== summary")[1]
-    assert "1 passed in" in summary  # the step's line carries pytest's summary line
-    assert out_files(tmp_path) == ["pytest_a.log"]
 
 
-@pytest.mark.slow
-def test_part_a_cpu_smoke(run_check, tmp_path, as_on_the_device):
-    result = run_check("a", GPU_CHECK_DEVICE="cpu", **as_on_the_device)
-    assert result.returncode == 0, explain(result)
-    files = out_files(tmp_path)
-    assert files == [
-        "gpu_decode.json",
-        "gpu_decode.log",
-        "gpu_decode_hf.json",
-        "gpu_decode_hf.log",
-        "pytest_a.log",
-    ]
-    assert len(files) <= MAX_FILES
-    assert "1. pytest_a        105s" in result.stdout  # the plan, in order, with its shares
-    assert "2. gpu_decode      100s" in result.stdout
-    assert "3. gpu_decode_hf    50s" in result.stdout
-    assert_skips_listed(result.stdout)
-    # pytest_a collects every module: its -rs summary gives pytest's own reasons.
-    assert "SKIPPED [1] tests/test_server.py" in result.stdout
-    assert "could not import 'openai'" in result.stdout
-    assert "could not import 'jsonschema'" in result.stdout
-    assert "| batch | eager | piecewise | full | full_and_piecewise |" in result.stdout
-    assert "| batch | hf_reduce_overhead |" in result.stdout
-    assert "pytest_a: ok" in result.stdout and "skipped" in result.stdout.split("pytest_a: ok")[1]
-    assert "gpu_decode: ok" in result.stdout and "gpu_decode_hf: ok" in result.stdout
-    data = json.loads((tmp_path / "out" / "gpu_decode.json").read_text())
-    status = {name: c["status"] for name, c in data["configs"].items()}
-    assert status == {"eager": "ok", "piecewise": "ok", "full": "ok", "full_and_piecewise": "ok"}
-    assert set(data["configs"]["piecewise"]["decode_ms"]) == {"1", "2"}
-    hf = json.loads((tmp_path / "out" / "gpu_decode_hf.json").read_text())
-    assert hf["configs"]["hf_reduce_overhead"]["status"] == "skipped"  # needs CUDA graphs
-    # The benchmark's progress lines go to its log, not to the (size-limited) stdout.
-    assert "# eager batch 1" not in result.stdout
-    assert "# eager batch 1" in (tmp_path / "out" / "gpu_decode.log").read_text()
+def test_fetch_dry_run_lists_the_wheels_and_the_room_left(tmp_path):
+    done = fetch("--dry-run", WHEELS_DIR=str(tmp_path / "none"))
+    assert done.returncode == 0, done.stderr
+    for name in (
+        "pydantic==",
+        "flashinfer-python==",
+        "apache-tvm-ffi==",
+        "ninja==",
+        "nvidia-ml-py==",
+    ):
+        assert name in done.stdout, name
+    tree = int(re.search(r"working tree .*?: (\d+) bytes", done.stdout).group(1))
+    assert 0 < tree < 64 * 2**20
+    assert "room for wheels" in done.stdout
 
 
-@pytest.mark.slow
-def test_part_b_cpu_smoke(run_check, tmp_path, as_on_the_device):
-    result = run_check("b", GPU_CHECK_DEVICE="cpu", **as_on_the_device)
-    assert result.returncode == 0, explain(result)
-    files = out_files(tmp_path)
-    assert files == [
-        "attention.json",
-        "attention.log",
-        "padding.json",
-        "padding.log",
-        "passes.json",
-        "passes.log",
-        "pytest_b.log",
-    ]
-    assert len(files) <= MAX_FILES
-    assert "1. pytest_b         95s" in result.stdout
-    assert "4. padding          60s" in result.stdout
-    assert_skips_listed(result.stdout)
-    assert "pytest_b: ok" in result.stdout and "skipped" in result.stdout.split("pytest_b: ok")[1]
-    assert "backend        batch   mode   ms/call  build ms" in result.stdout
-    assert "| tokens | off (ms) |" in result.stdout
-    assert "| workload | ladder | graphs |" in result.stdout
-    for name in ("attention", "passes", "padding"):
-        assert f"{name}: ok" in result.stdout
-    padding = json.loads((tmp_path / "out" / "padding.json").read_text())
-    assert padding["rows"] and all("ms_per_step" in r for r in padding["rows"])
-    assert "stopped" not in padding
+def test_fetch_size_check_fails_over_64_mib(tmp_path):
+    wheels = tmp_path / "wheels"
+    (wheels / "flashinfer").mkdir(parents=True)
+    with open(wheels / "flashinfer" / "big-1.0-py3-none-any.whl", "wb") as f:
+        f.truncate(64 * 2**20)  # sparse: its size, no disk
+    done = fetch("--dry-run", WHEELS_DIR=str(wheels))
+    assert done.returncode == 1
+    assert "TOO LARGE" in done.stderr and "big-1.0-py3-none-any.whl" in done.stdout
+    assert fetch("--bogus").returncode == 2
