@@ -24,8 +24,10 @@
 #   nvcc, so any torch will do; every release since 0.5 asks only for "torch", unbounded) and
 #   what `import flashinfer` and its JIT need that a bare torch machine lacks: apache-tvm-ffi
 #   (the JIT's bindings; a cp312 wheel), ninja (the JIT's build tool), nvidia-ml-py (pynvml),
-#   einops, tabulate, click. Its other requirements (cuda-python, cudnn-frontend, cutlass-dsl,
-#   nccl) serve kernels the paged decode/prefill wrappers never load. FLASHINFER_VERSION
+#   einops, tabulate, click (the GPU image has the last five, a bare torch machine may not:
+#   carried anyway, 0.5 MB, on the path in the flashinfer step only). Its other
+#   requirements (cuda-python, cudnn-frontend, cutlass-dsl, nccl) serve kernels the paged
+#   decode/prefill wrappers never load. FLASHINFER_VERSION
 #   picks the release: 0.7.x wheels (~100 MB, bundled sources of every kernel family) do not
 #   fit the 64 MiB; 0.6.18.post1 (~18 MB) does.
 set -euo pipefail
