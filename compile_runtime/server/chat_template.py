@@ -31,10 +31,20 @@ FIELDS = ("add_generation_prompt", "continue_final_message")
 _GENERATION_TAG = re.compile(r"{%-?\s*(?:end)?generation\s*-?%}")
 
 
-@functools.lru_cache(maxsize=16)
+CACHED_TEMPLATE_CHARS = 64 << 10  # longer templates (a request's own) are parsed each time
+
+
 def template_variables(template: str) -> frozenset[str]:
     """The variables a template reads from its context (jinja2.meta); a template jinja2
-    cannot parse reads none (rendering it reports the error)."""
+    cannot parse reads none (rendering it reports the error). The last 16 templates of at
+    most ``CACHED_TEMPLATE_CHARS`` are remembered: the model's own, and a few small ones
+    requests bring."""
+    if len(template) <= CACHED_TEMPLATE_CHARS:
+        return _cached_variables(template)
+    return _variables(template)
+
+
+def _variables(template: str) -> frozenset[str]:
     import jinja2
     import jinja2.ext
     from jinja2 import meta
@@ -45,6 +55,9 @@ def template_variables(template: str) -> frozenset[str]:
     except jinja2.TemplateError:
         return frozenset()
     return frozenset(meta.find_undeclared_variables(ast))
+
+
+_cached_variables = functools.lru_cache(maxsize=16)(_variables)
 
 
 def _template(tokenizer: Any, requested: str | None) -> str:
