@@ -10,9 +10,11 @@ In the order a request goes through it:
 * ``api_keys.py``: ``--api-key``, a 401 without it; ``request_limits.py``: bounds on the
   body's size, on the large bodies handled at once and on the prompts and choices of one
   request.
+* ``request_body.py``: each body decoded and validated as FastAPI does, a large one in a
+  thread, off the event loop.
 * ``protocol.py``: the request bodies (pydantic), OpenAI's fields and vLLM's extras, every
   field typed; ``validation.py``: its checks past types (text that is not Unicode, the
-  shapes of formats and tools, the size bounds of output constraints).
+  shapes of formats and tools, the size bounds of output constraints and lists).
 * ``worker_pool.py``: the blocking work of preparing a request (tokenizing, templates,
   constraint checks, adapter loading) in worker threads, each step time-bounded.
 * ``chat_template.py``: what a request may pass to the chat template (its own template only
@@ -21,7 +23,8 @@ In the order a request goes through it:
   one warning naming the unknown ones.
 * ``completions.py``, ``chat_completions.py``: the two generating endpoints.
 * ``structured.py``, ``tools.py``: structured-output fields and forced tool calls as one
-  output constraint; the constrained output as ``tool_calls``.
+  output constraint; the constrained output as ``tool_calls``; ``grammar_process.py``: its
+  grammar compiled first in a child process killed at the time bound.
 * ``tool_parsers.py``: ``tool_choice="auto"``: calls in the model family's own syntax
   (hermes, llama3_json) parsed out of free text; ``tool_call_text.py``: calls read out of
   JSON text still growing, and their stream deltas.
