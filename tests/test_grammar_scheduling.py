@@ -62,3 +62,21 @@ def test_with_nothing_else_to_run_it_waits_for_the_grammar(grammars):
     s.add_request(request("constrained", True))
     threading.Timer(0.2, grammars.release.set).start()
     assert started(s.schedule()) == ["constrained"]
+
+
+def test_the_compiled_grammars_kept_are_bounded(model_dirs, monkeypatch):
+    """Every distinct constraint a client sends is compiled and kept for reuse, up to
+    ``GRAMMAR_CACHE_BYTES``: past it the least recently used go."""
+    from compile_runtime.core import structured_output
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dirs("llama"))
+
+    def cache_bytes_after_12_constraints() -> int:
+        manager = StructuredOutputManager(tokenizer, len(tokenizer), stop_token_ids=(2,))
+        for n in range(12):
+            manager.compile_ahead(StructuredOutputsParams(regex=f"[0-9]{{{n + 1}}}x"))
+        return manager._compiler.get_cache_size_bytes()
+
+    kept = cache_bytes_after_12_constraints()
+    monkeypatch.setattr(structured_output, "GRAMMAR_CACHE_BYTES", 1)
+    assert 0 < cache_bytes_after_12_constraints() < kept / 4, kept

@@ -32,6 +32,10 @@ from compile_runtime.core.sampling_params import StructuredOutputsParams
 logger = logging.getLogger(__name__)
 _LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
 
+# Compiled grammars kept for reuse (least recently used dropped past it): every distinct
+# constraint a client sends would otherwise stay in memory for the engine's life.
+GRAMMAR_CACHE_BYTES = 256 * 2**20
+
 
 def _schema_text(params: StructuredOutputsParams) -> str:
     schema = params.json_schema
@@ -97,7 +101,9 @@ class StructuredOutputManager:
                 info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
+                self._compiler = xgr.GrammarCompiler(
+                    info, max_threads=1, cache_enabled=True, cache_limit_bytes=GRAMMAR_CACHE_BYTES
+                )
         compiler = self._compiler
         if params.json_schema is not None:
             compiled = compiler.compile_json_schema(_schema_text(params))
