@@ -104,6 +104,7 @@ CASES = [
     (RESPONSES, {"input": "hi", "top_k": 0.5}, "top_k"),
     (RESPONSES, {"input": "hi", "messages": 5}, "messages"),
     (RESPONSES, {"input": "hi", "presence_penalty": 3}, "presence_penalty"),
+    (RESPONSES, {"input": "", "max_output_tokens": 0}, "max_output_tokens"),  # its own name
     (COMPLETIONS, {"prompt": "hi", "best_of": {"a": 1}}, "best_of"),
     (COMPLETIONS, {"prompt": "hi", "best_of": 3}, "best_of"),
     (COMPLETIONS, {"prompt": "hi\ud800"}, "prompt"),

@@ -234,7 +234,7 @@ class ResponsesRequest(SamplingExtras, RequestBody):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
-    max_output_tokens: int | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_logprobs: int | None = Field(None, ge=0, le=20)

@@ -128,6 +128,15 @@ def check_request(body: ResponsesRequest) -> None:
         raise APIError(400, "truncation: only 'disabled' is supported", "truncation")
 
 
+# The chat fields a /v1/responses request fills under other names.
+RESPONSES_NAMES = {
+    "max_completion_tokens": "max_output_tokens",
+    "messages": "input",
+    "response_format": "text",
+    "stream_options": "stream",
+}
+
+
 def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatCompletionRequest:
     """The chat completion of ``conversation`` under the request's ``instructions`` (those
     of earlier responses are not carried over, as OpenAI has it)."""
@@ -155,8 +164,16 @@ def chat_request(body: ResponsesRequest, conversation: list[dict]) -> ChatComple
     try:
         return ChatCompletionRequest.model_validate({**unknown, **extras, **fields})
     except ValidationError as e:
-        message, param = validation_message(list(e.errors()))
-        raise APIError(400, message, param) from None
+        raise in_responses_terms(APIError(400, *validation_message(list(e.errors())))) from None
+
+
+def in_responses_terms(error: APIError) -> APIError:
+    """``error`` of the chat path naming the field as the /v1/responses client sent it."""
+    chat_name = (error.param or "").split(".")[0]
+    if chat_name not in RESPONSES_NAMES:
+        return error
+    param = RESPONSES_NAMES[chat_name]
+    return APIError(error.status, error.message.replace(chat_name, param), param)
 
 
 async def responses(server: Server, body: ResponsesRequest, tokens: TokenCounts) -> Any:
@@ -173,7 +190,10 @@ async def responses(server: Server, body: ResponsesRequest, tokens: TokenCounts)
         if body.store is not False:
             server.responses.put(response, conversation + [message])
 
-    answer = await chat(server, request, tokens)
+    try:
+        answer = await chat(server, request, tokens)
+    except APIError as e:
+        raise in_responses_terms(e) from None
     if body.stream:
         return stream_events(answer, shell, keep)
     choice = answer["choices"][0]
