@@ -18,6 +18,7 @@ from compile_runtime.worker.sampler import (
     apply_min_tokens,
     apply_penalties,
     apply_top_k_top_p,
+    draw_tokens,
 )
 from compile_runtime.worker.sampling_metadata import (
     RequestSamplingState,
@@ -204,6 +205,27 @@ def test_temperature_flattens_distribution():
     tokens = Sampler()(logits, md).token_ids
     freq = torch.bincount(tokens, minlength=3).float() / n
     torch.testing.assert_close(freq, torch.tensor([0.5229, 0.2795, 0.1976]), atol=0.03, rtol=0)
+
+
+def test_draws_follow_unnormalised_rows_and_skip_tokens_without_mass():
+    # Masses 3 and 1 on tokens 1 and 3 (0.75 / 0.25), zeros around and after them.
+    n = 8000
+    probs = torch.tensor([[0.0, 3.0, 0.0, 1.0, 0.0, 0.0]]).repeat(n, 1)
+    torch.manual_seed(0)
+    tokens = draw_tokens(probs, {})
+    assert set(tokens.tolist()) == {1, 3}
+    assert abs((tokens == 1).float().mean().item() - 0.75) < 0.02
+
+
+def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_mass(monkeypatch):
+    # u x total can round up to the total: the draw must still land on token 3, not on a
+    # zero after it. u = 1 exactly stands for that rounding.
+    def top_of_range(shape, *, dtype, device, generator=None):
+        return torch.ones(shape, dtype=dtype, device=device)
+
+    monkeypatch.setattr(torch, "rand", top_of_range)
+    probs = torch.tensor([[0.2, 0.5, 0.0, 0.3, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0, 0.0]])
+    assert draw_tokens(probs, {}).tolist() == [3, 5]  # a row of zeros stays in range
 
 
 # ----------------------------------------------------------------- greedy, seeds

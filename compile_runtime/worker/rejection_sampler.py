@@ -27,7 +27,7 @@ import torch
 
 from compile_runtime.worker.sampler import (
     Logprobs,
-    exponential_race,
+    draw_tokens,
     gather_logprobs,
     greedy_tokens,
     process_logits,
@@ -143,4 +143,4 @@ def _draw(
     residual[rows, ids] = 0.0
     # A draft holding all of p (up to rounding) has no residual to draw from: it stands.
     p_draft[rows] = torch.where(residual[rows].sum(dim=-1) > 0, p_draft[rows], 1.0)
-    return (u < p_draft).tolist(), exponential_race(residual, metadata.generators).tolist()
+    return (u < p_draft).tolist(), draw_tokens(residual, metadata.generators).tolist()

@@ -5,10 +5,13 @@ Order of operations, per row, all in float32:
   -> logit bias -> min_tokens mask -> repetition/frequency/presence penalties
   -> greedy argmax, or temperature -> top-k -> top-p -> random draw.
 
-The random draw is an exponential race: argmax(probs / q) with q ~ Exp(1)
-is distributed as Categorical(probs). Drawing q row by row from a request's
-own generator makes a seeded request reproducible whatever else is in the
-batch, while the unseeded rows share one batched draw from the global RNG.
+The random draw inverts each row's cumulative distribution at one uniform
+number: the first token whose running total passes u x the row's total. One
+number per row, not one per token (a race over the vocabulary with
+``exponential_`` cost 8 ms a step on a CPU for 8 rows of 49,152 tokens, most of
+a decode step). Drawing a seeded row's number from the request's own generator
+makes it reproducible whatever else is in the batch; unseeded rows share one
+batched draw from the global RNG.
 """
 
 from __future__ import annotations
@@ -159,23 +162,24 @@ def _choose(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
     """Greedy rows take the argmax; the others sample."""
     if metadata.all_greedy:
         return greedy_tokens(logits)
-    sampled = exponential_race(sampling_probs(logits, metadata), metadata.generators)
+    sampled = draw_tokens(sampling_probs(logits, metadata), metadata.generators)
     if metadata.all_random:
         return sampled
     return torch.where(metadata.temperature == 0, greedy_tokens(logits), sampled)
 
 
-def exponential_race(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
-    """One draw per row from ``probs`` (rows need not be normalised); a seeded row draws from
-    its own generator."""
-    q = torch.empty_like(probs)
-    if len(generators) < probs.shape[0]:
-        q.exponential_()
+def draw_tokens(probs: torch.Tensor, generators: dict[int, torch.Generator]) -> torch.Tensor:
+    """One draw per row from ``probs`` (rows need not be normalised; a token of probability 0
+    is never drawn); a seeded row draws from its own generator."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=cdf.dtype, device=cdf.device)
     for row, gen in generators.items():
-        q[row].exponential_(generator=gen)
-    # exponential_ may return 0; keep 0/0 out of the argmax.
-    q.clamp_min_(torch.finfo(q.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+        u[row] = torch.rand(1, generator=gen, dtype=cdf.dtype, device=cdf.device)
+    # Kept below the total: u x total may round up to it, past the last token with mass.
+    target = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    return tokens.clamp_max_(probs.shape[-1] - 1)  # a row of zeros (nothing to draw) stays in range
 
 
 def gather_logprobs(
