@@ -173,6 +173,7 @@ def main() -> None:
     p.add_argument("--dtype", choices=sorted(served.TORCH_DTYPES), default="bf16")
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--rate", type=int, default=100)
     p.add_argument("--server-args", default="", help="more flags for compile-runtime serve")
     p.add_argument("--out", default=os.path.join(HERE, "results", "serve_profile.json"))

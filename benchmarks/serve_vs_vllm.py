@@ -4,7 +4,8 @@ each beside its own offline run of the same load.
 Each side's server runs alone on the machine, one after the other, and
 ``vllm bench serve`` (from the vLLM venv of ``benchmarks/peers/install.py``)
 sends it the same load: the ``random`` dataset (``--input-len`` prompt tokens,
-``--output-len`` output tokens, EOS ignored), ``--num-prompts`` requests at most
+``--output-len`` output tokens, EOS ignored, sampled at ``--temperature``: 1.0, the
+servers' default, which vLLM's client leaves in place), ``--num-prompts`` requests at most
 ``--concurrency`` at a time (each concurrency in turn), streaming, on
 ``/v1/chat/completions`` and on ``/v1/completions``. Before the timed load of each
 endpoint and concurrency, ``--warmup-prompts`` requests at that concurrency warm it up
@@ -16,7 +17,8 @@ endpoint and concurrency, ``--warmup-prompts`` requests at that concurrency warm
   (on a CPU the model runs in a worker process); ``ours-uni``: the same, the model in
   the server's process (``--distributed-executor-backend uni``), not run by default;
 * ``vllm-offline`` and ``ours-offline``: each engine's ``LLM.generate`` over requests of
-  the same shape (random token ids; the same counts of prompt and output tokens) with
+  the same shape (random token ids; the same counts of prompt and output tokens, the same
+  temperature) with
   ``max_num_seqs`` = the concurrency, best of 2 after a warm-up: the ceiling each server
   is measured against (served / offline).
 
@@ -28,7 +30,7 @@ server, prefix caching effects (prompts are random), GPUs.
 
     python benchmarks/serve_vs_vllm.py [--dtype fp32|bf16] [--sides vllm ours ...]
         [--endpoints chat completions] [--num-prompts 256] [--concurrency 1 8 32 64]
-        [--warmup-prompts 16] [--input-len 64] [--output-len 32]
+        [--warmup-prompts 16] [--input-len 64] [--output-len 32] [--temperature 1.0]
         [--out benchmarks/results/serve_vs_vllm.json]
 
 (``--sides vllm ours ours-uni vllm-offline ours-offline`` adds the in-process server.)
@@ -165,6 +167,7 @@ def bench_serve(
             "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--num-prompts", str(num_prompts),
             "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", "0",
+            "--temperature", str(args.temperature),
             "--save-result", "--result-dir", tmp, "--result-filename", "result.json",
             "--percentile-metrics", "ttft,tpot,itl", "--metric-percentiles", "50,99",
         )  # fmt: skip
@@ -224,7 +227,7 @@ def run_server_side(side: str, args: argparse.Namespace) -> dict:
 # both engines.
 OFFLINE_COMMON = r"""
 import json, random, sys, time
-n, prompt_len, output_len, dtype, model, concurrency = json.loads(sys.argv[1])
+n, prompt_len, output_len, dtype, model, concurrency, temperature = json.loads(sys.argv[1])
 rng = random.Random(0)
 def requests():
     return [[rng.randint(1000, 40000) for _ in range(prompt_len)] for _ in range(n)]
@@ -242,7 +245,7 @@ OFFLINE = {
     + r"""
 import compile_runtime as cr
 llm = cr.LLM(model, dtype=dtype, max_num_seqs=concurrency)
-params = cr.SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+params = cr.SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
 def generate(prompts):
     outputs = llm.generate(prompts, [params] * len(prompts), use_tqdm=False)
     return sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -252,7 +255,7 @@ best_of(generate)
     + r"""
 from vllm import LLM, SamplingParams, TokensPrompt
 llm = LLM(model=model, dtype=dtype, max_num_seqs=concurrency, gpu_memory_utilization=0.5, seed=0)
-params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+params = SamplingParams(temperature=temperature, max_tokens=output_len, ignore_eos=True)
 def generate(prompts):
     outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params,
                            use_tqdm=False)
@@ -282,6 +285,7 @@ def run_offline(engine: str, args: argparse.Namespace) -> dict:
             TORCH_DTYPES[args.dtype],
             model,
             c,
+            args.temperature,
         ]
         done = subprocess.run(
             [python, "-c", OFFLINE[engine], json.dumps(spec)],
@@ -296,7 +300,8 @@ def run_offline(engine: str, args: argparse.Namespace) -> dict:
 
 def print_report(results: dict, args: argparse.Namespace) -> None:
     print(f"\n### served: output tokens/s and latency percentiles ({args.num_prompts} requests, "
-          f"{args.input_len} in / {args.output_len} out, streaming, {args.dtype})\n")  # fmt: skip
+          f"{args.input_len} in / {args.output_len} out, temperature {args.temperature}, "
+          f"streaming, {args.dtype})\n")  # fmt: skip
     metrics = [f"{p}_{m}_ms" for m in ("ttft", "tpot", "itl") for p in PERCENTILES]
     print("| side | endpoint | concurrency | completed | failed | out tok/s | offline tok/s "
           "| served / offline | " + " | ".join(m.removesuffix("_ms") + " ms" for m in metrics)
@@ -341,6 +346,8 @@ def main() -> None:
     p.add_argument("--warmup-prompts", type=int, default=16)
     p.add_argument("--input-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=32)
+    # vLLM's client sends no temperature unless told: the server's default, 1.0, samples.
+    p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--out", default=os.path.join(HERE, "results", "serve_vs_vllm.json"))
     args = p.parse_args()
     install.setup(["vllm", "hf"])
