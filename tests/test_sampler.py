@@ -217,6 +217,15 @@ def test_draws_follow_unnormalised_rows_and_skip_tokens_without_mass():
     assert abs((tokens == 1).float().mean().item() - 0.75) < 0.02
 
 
+def test_a_seeded_row_takes_one_number_from_its_generator_whatever_the_vocabulary():
+    # One uniform per row, not one per token: the cost of a draw does not grow with the
+    # vocabulary's random numbers, and a seeded request's stream advances by one a token.
+    gen, twin = make_generator(5), make_generator(5)
+    draw_tokens(torch.rand(2, 49152), {1: gen})
+    torch.rand(1, generator=twin)
+    assert torch.rand(1, generator=gen).item() == torch.rand(1, generator=twin).item()
+
+
 def test_a_draw_at_the_top_of_the_range_takes_the_last_token_with_mass(monkeypatch):
     # u x total can round up to the total: the draw must still land on token 3, not on a
     # zero after it. u = 1 exactly stands for that rounding.
