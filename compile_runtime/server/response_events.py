@@ -27,6 +27,7 @@ from compile_runtime.server.response_items import (
     output_text,
     response_usage,
 )
+from compile_runtime.server.streaming import encode_json
 
 
 class EventWriter:
@@ -42,7 +43,7 @@ class EventWriter:
     def event(self, kind: str, **fields: Any) -> str:
         data = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+        return f"event: {kind}\ndata: {encode_json(data)}\n\n"
 
     def text(self, piece: str) -> list[str]:
         out = []
